@@ -1,0 +1,13 @@
+//! Python bindings: `sglang_dart._core`. Each submodule registers its own classes/functions.
+use pyo3::prelude::*;
+
+mod prune_py;
+mod store_py;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    store_py::register(m)?;
+    prune_py::register(m)?;
+    Ok(())
+}

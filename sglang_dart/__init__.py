@@ -1,0 +1,3 @@
+"""sglang-dart: DART speculative decoding for SGLang."""
+
+__version__ = "0.1.0"
