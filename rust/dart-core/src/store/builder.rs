@@ -81,6 +81,10 @@ impl StoreBuilder {
         Ok(())
     }
 
+    pub fn vocab_size(&self) -> u64 {
+        self.opts.vocab_size
+    }
+
     /// Runs spilled to disk so far (progress reporting).
     pub fn spilled_runs(&self) -> usize {
         self.sorter.runs()
