@@ -395,6 +395,7 @@ impl NgramBuilder {
 
 /// Converts a reference `.trie` file into a store, streaming with bounded memory.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)] // mirrors the Python keyword arguments
 #[pyo3(signature = (src, dst, vocab_size, tokenizer_fingerprint = 0, min_count = 1, memory_budget = 1 << 30, tmp_dir = None))]
 fn import_reference_trie<'py>(
     py: Python<'py>,
