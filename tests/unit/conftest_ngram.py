@@ -30,7 +30,7 @@ def random_text(rng: random.Random, n_words: int) -> str:
     return " ".join(WORDS[min(int(rng.paretovariate(1.2)) - 1, len(WORDS) - 1)] for _ in range(n_words))
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 120, seed: int = 0) -> Path:
+def train_tokenizer(out_dir: Path, vocab_size: int = 300, seed: int = 0) -> Path:
     """Trains a byte-level BPE on random text and saves it as a PreTrainedTokenizerFast directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
