@@ -84,6 +84,11 @@ pub struct TreeBatch {
     pub tree_mask: Vec<bool>,
 }
 
+type TreeSlices<'a> = (
+    ((&'a mut [i64], &'a mut [i32]), &'a mut [i32]),
+    &'a mut [bool],
+);
+
 #[derive(Default)]
 struct Scratch {
     search: SearchScratch,
@@ -184,21 +189,33 @@ pub fn prune_batch<M: NextTokenModel + ?Sized>(
         depth: vec![0; bs * n],
         tree_mask: vec![false; bs * n * n],
     };
-    out.tokens
-        .par_chunks_mut(n)
-        .zip(out.parents.par_chunks_mut(n))
-        .zip(out.depth.par_chunks_mut(n))
-        .zip(out.tree_mask.par_chunks_mut(n * n))
-        .enumerate()
-        .for_each(|(r, (((tokens, parents), depth), tree_mask))| {
-            let tree = TreeOut {
-                tokens,
-                parents,
-                depth,
-                tree_mask,
-            };
-            with_scratch(|s| prune_one(&resolved, model, input, &eos, r, s, tree));
-        });
+    let work = |(r, (((tokens, parents), depth), tree_mask)): (usize, TreeSlices<'_>)| {
+        let tree = TreeOut {
+            tokens,
+            parents,
+            depth,
+            tree_mask,
+        };
+        with_scratch(|s| prune_one(&resolved, model, input, &eos, r, s, tree));
+    };
+    if bs <= 1 {
+        // One tree: stay on the calling thread (no hand-off to the pool).
+        out.tokens
+            .chunks_mut(n)
+            .zip(out.parents.chunks_mut(n))
+            .zip(out.depth.chunks_mut(n))
+            .zip(out.tree_mask.chunks_mut(n * n))
+            .enumerate()
+            .for_each(work);
+    } else {
+        out.tokens
+            .par_chunks_mut(n)
+            .zip(out.parents.par_chunks_mut(n))
+            .zip(out.depth.par_chunks_mut(n))
+            .zip(out.tree_mask.par_chunks_mut(n * n))
+            .enumerate()
+            .for_each(work);
+    }
     Ok(out)
 }
 

@@ -13,6 +13,8 @@
 //! prefix of it, hence contain the parent of every node they contain: the selection is prefix-closed.
 //! The arena is filled level by level, so "depth asc, creation asc" is simply "arena index asc", and the
 //! order is the ascending order of the 64-bit key `(!sortable(score) << 32) | index`.
+use std::collections::BinaryHeap;
+
 use super::config::Resolved;
 use crate::NextTokenModel;
 
@@ -50,7 +52,14 @@ pub struct SearchScratch {
     /// Selected arena indices (ascending) after [`search`].
     pub selected: Vec<u32>,
     beam: Vec<u32>,
-    pool_keys: Vec<u64>,
+    /// The M smallest keys of the pool so far.
+    top: BinaryHeap<u64>,
+    /// The W smallest non-EOS keys of the current level so far.
+    level_top: BinaryHeap<u64>,
+    /// Beam positions in expansion order (parent key high bits, position low bits).
+    order: Vec<u64>,
+    want: Vec<u32>,
+    want_tokens: Vec<u32>,
     level_keys: Vec<u64>,
     eos_keys: Vec<u64>,
     draft: Vec<f64>,
@@ -92,8 +101,34 @@ fn keep_smallest(v: &mut Vec<u64>, n: usize) {
     }
 }
 
+/// Keeps the `cap` smallest keys pushed so far (a max-heap: the root is the largest kept key).
+fn heap_insert(h: &mut BinaryHeap<u64>, cap: usize, key: u64) {
+    if h.len() < cap {
+        h.push(key);
+    } else if let Some(mut top) = h.peek_mut() {
+        if key < *top {
+            *top = key;
+        }
+    }
+}
+
+/// True if `key` would enter the `cap` smallest keys of `h`.
+#[inline]
+fn heap_admits(h: &BinaryHeap<u64>, cap: usize, key: u64) -> bool {
+    h.len() < cap || h.peek().is_some_and(|&top| key < top)
+}
+
 /// Runs the search of one tree; the kept nodes are left in `s.selected` (arena indices, ascending,
 /// i.e. depth-ascending) and the arena in `s.arena`.
+///
+/// Children get fixed arena slots (`level_start + beam position · topk + column`, the creation order),
+/// but parents are expanded best-first, and a child is only scored exactly (n-gram look-up) if its
+/// upper bound (the score with q = 1, which no exact score exceeds since lp(q) ≤ 0 and rounding is
+/// monotone) could still enter the top M of the pool or the top W of its level; otherwise it is left
+/// unscored (score −∞, never selected or extended). Skipping is exact: a skipped child already has M
+/// (resp. W non-EOS) scored nodes strictly before it in the total order, so the unpruned algorithm
+/// would not keep (resp. extend) it either. EOS children are never needed for the beam when the level
+/// has ≥ W non-EOS children; otherwise nothing is skipped for the beam.
 pub fn search<M: NextTokenModel + ?Sized>(
     cfg: &Resolved,
     model: Option<&M>,
@@ -101,7 +136,7 @@ pub fn search<M: NextTokenModel + ?Sized>(
     eos_ids: &[u32],
     s: &mut SearchScratch,
 ) {
-    let (k, topk, eps) = (cfg.k, cfg.topk, cfg.eps);
+    let (k, topk, eps, m_cap, w_cap) = (cfg.k, cfg.topk, cfg.eps, cfg.num_nodes, cfg.beam_width);
     debug_assert_eq!(req.tokens.len(), cfg.depth * k);
     debug_assert_eq!(req.probs.len(), cfg.depth * k);
     s.arena.clear();
@@ -114,9 +149,7 @@ pub fn search<M: NextTokenModel + ?Sized>(
     });
     s.beam.clear();
     s.beam.push(0);
-    s.pool_keys.clear();
-    s.q.clear();
-    s.q.resize(topk, 0.0);
+    s.top.clear();
     let ln_eps = log_term(0.0, eps);
 
     for level in 0..cfg.depth {
@@ -132,64 +165,106 @@ pub fn search<M: NextTokenModel + ?Sized>(
         let ngram = model.filter(|_| level > 0 || cfg.ngram_at_level0);
         let level_start = s.arena.len();
         let child_depth = (level + 1) as u8;
+        let last = level + 1 == cfg.depth;
+        let non_eos = s.eos_flags.iter().filter(|&&e| !e).count() * s.beam.len();
+        let beam_all = !last && non_eos < w_cap; // every child may be needed for the beam
+        s.level_keys.clear();
+        s.eos_keys.clear();
+        s.level_top.clear();
 
-        for bi in 0..s.beam.len() {
+        // Fixed slots in creation order; unscored children keep score −∞.
+        for &b in &s.beam {
+            let score = f32::NEG_INFINITY;
+            s.arena.extend(
+                row_tokens
+                    .iter()
+                    .zip(&s.eos_flags)
+                    .map(|(&token, &eos)| Node {
+                        parent: b,
+                        token,
+                        score,
+                        depth: child_depth,
+                        eos,
+                    }),
+            );
+        }
+        // Expand parents best-first so the thresholds tighten early.
+        s.order.clear();
+        s.order.extend(
+            s.beam.iter().enumerate().map(|(bi, &b)| {
+                (order_key(s.arena[b as usize].score, b) & !0xFFFF_FFFF) | bi as u64
+            }),
+        );
+        s.order.sort_unstable();
+
+        for oi in 0..s.order.len() {
+            let bi = (s.order[oi] & 0xFFFF_FFFF) as usize;
             let b = s.beam[bi];
             let node = s.arena[b as usize];
+            let slot0 = level_start + bi * topk;
+            s.want.clear();
+            s.want_tokens.clear();
+            for (j, &token) in row_tokens.iter().enumerate() {
+                let upper = node.score + (lambda * s.draft[j]) as f32;
+                let key = order_key(upper, (slot0 + j) as u32);
+                let needed = heap_admits(&s.top, m_cap, key)
+                    || (!last
+                        && (beam_all
+                            || (!s.eos_flags[j] && heap_admits(&s.level_top, w_cap, key))));
+                if needed {
+                    s.want.push(j as u32);
+                    s.want_tokens.push(token);
+                }
+            }
+            if s.want.is_empty() {
+                continue;
+            }
             if let Some(m) = ngram {
                 let (prev2, prev1) = if node.parent == NO_PARENT {
                     (req.prev1, node.token)
                 } else {
                     (Some(s.arena[node.parent as usize].token), node.token)
                 };
-                m.next_probs(prev2, prev1, row_tokens, &mut s.q);
+                s.q.clear();
+                s.q.resize(s.want.len(), 0.0);
+                m.next_probs(prev2, prev1, &s.want_tokens, &mut s.q);
             }
-            for (j, &token) in row_tokens.iter().enumerate() {
+            for wi in 0..s.want.len() {
+                let j = s.want[wi] as usize;
                 let inc = if ngram.is_some() {
-                    let q = s.q[j];
+                    let q = s.q[wi];
                     let lq = if q == 0.0 { ln_eps } else { log_term(q, eps) };
                     lambda * (s.draft[j] + cfg.beta * lq)
                 } else {
                     lambda * s.draft[j]
                 };
                 let score = node.score + inc as f32;
-                let index = s.arena.len() as u32;
-                s.pool_keys.push(order_key(score, index));
-                s.arena.push(Node {
-                    parent: b,
-                    token,
-                    score,
-                    depth: child_depth,
-                    eos: s.eos_flags[j],
-                });
+                let slot = slot0 + j;
+                s.arena[slot].score = score;
+                let key = order_key(score, slot as u32);
+                heap_insert(&mut s.top, m_cap, key);
+                if s.eos_flags[j] {
+                    s.eos_keys.push(key);
+                } else {
+                    heap_insert(&mut s.level_top, w_cap, key);
+                    s.level_keys.push(key);
+                }
             }
         }
 
-        if level + 1 < cfg.depth {
-            select_beam(s, level_start, cfg.beam_width);
+        if !last {
+            select_beam(s, w_cap);
         }
     }
 
-    keep_smallest(&mut s.pool_keys, cfg.num_nodes);
     s.selected.clear();
-    s.selected
-        .extend(s.pool_keys.iter().map(|&key| key_index(key)));
+    s.selected.extend(s.top.iter().map(|&key| key_index(key)));
     s.selected.sort_unstable();
 }
 
-/// Picks the next beam among the children `arena[level_start..]`: non-EOS first, then by the order key.
+/// Picks the next beam among the scored children of the level: non-EOS first, then by the order key.
 /// The beam is kept in arena order so that creation order stays depth-major and parent-major.
-fn select_beam(s: &mut SearchScratch, level_start: usize, width: usize) {
-    s.level_keys.clear();
-    s.eos_keys.clear();
-    for (i, node) in s.arena.iter().enumerate().skip(level_start) {
-        let key = order_key(node.score, i as u32);
-        if node.eos {
-            s.eos_keys.push(key);
-        } else {
-            s.level_keys.push(key);
-        }
-    }
+fn select_beam(s: &mut SearchScratch, width: usize) {
     keep_smallest(&mut s.level_keys, width);
     let missing = width - s.level_keys.len();
     keep_smallest(&mut s.eos_keys, missing);
