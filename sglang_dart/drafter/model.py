@@ -1,0 +1,214 @@
+"""The DART draft layer in plain torch, with the parameter names of the published checkpoints.
+
+One forward per request step: the m newest real positions (fused target hidden state + embedding of the
+next token) followed by d mask slots, causal attention over the draft's cached prefix, and d + 1 rows of
+"shifted" logits: row 0 predicts the child of the root, row j the node at depth j + 1.
+Only the real positions' keys/values are returned for caching; mask slots are never committed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sglang_dart.drafter.config import DraftConfig, DraftConfigError
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, head_dim]; positions: [T]."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.float32, device=x.device) / half))
+    angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, half]
+    emb = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [T, 1, head_dim]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Norm(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        width = 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(width, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.hidden_norm = _Norm(cfg.hidden_size)
+        self.input_layernorm = _Norm(cfg.hidden_size)
+        self.post_attention_layernorm = _Norm(cfg.hidden_size)
+        self.mask_rep = nn.Parameter(torch.zeros(2 * cfg.hidden_size))
+        self.self_attn = _Attention(cfg)
+        self.mlp = _Mlp(cfg)
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    logits: torch.Tensor  # [d + 1, draft_vocab_size]
+    real_keys: torch.Tensor  # [m, kv_heads, head_dim], after RoPE: to append to the draft KV cache
+    real_values: torch.Tensor  # [m, kv_heads, head_dim]
+
+
+class DartDrafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = _MidLayer(cfg)
+        self.norm = _Norm(cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.embed_tokens = embed_tokens  # the target's table, shared, never copied or saved
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(
+        self,
+        aux_hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        start_pos: int,
+        past_keys: torch.Tensor | None = None,
+        past_values: torch.Tensor | None = None,
+    ) -> DraftOutput:
+        """aux_hidden: [m, 3·H_target] target taps of the m new real positions; next_tokens: [m] the token
+        following each (the last one is the root); start_pos: absolute position of the first of them
+        (= cached draft length); past_keys/values: [start_pos, kv_heads, head_dim]."""
+        cfg, layer = self.cfg, self.midlayer
+        m, d, eps = aux_hidden.shape[0], cfg.draft_length, cfg.rms_norm_eps
+        if m < 1:
+            raise ValueError("the draft forward needs at least one real position")
+        residual_real = self.fc(aux_hidden)
+        embeds = self.embed_tokens[next_tokens].to(residual_real.dtype)
+        attn_in = torch.cat(
+            [
+                torch.cat(
+                    [
+                        rms_norm(embeds, layer.input_layernorm.weight, eps),
+                        rms_norm(residual_real, layer.hidden_norm.weight, eps),
+                    ],
+                    dim=-1,
+                ),
+                layer.mask_rep.to(residual_real.dtype).expand(d, -1),
+            ]
+        )
+        residual = torch.cat([residual_real, layer.mask_rep[: cfg.hidden_size].expand(d, -1)])
+
+        n = m + d
+        positions = torch.arange(start_pos, start_pos + n, device=aux_hidden.device)
+        attn = layer.self_attn
+        q = apply_rope(
+            attn.q_proj(attn_in).view(n, cfg.num_attention_heads, cfg.head_dim), positions, cfg.rope_theta
+        )
+        k = apply_rope(
+            attn.k_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim), positions, cfg.rope_theta
+        )
+        v = attn.v_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
+        keys = k if past_keys is None else torch.cat([past_keys.to(k.dtype), k])
+        values = v if past_values is None else torch.cat([past_values.to(v.dtype), v])
+        past = keys.shape[0] - n
+        allowed = torch.arange(keys.shape[0], device=q.device).unsqueeze(0) <= (
+            past + torch.arange(n, device=q.device).unsqueeze(1)
+        )
+        context = nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).float(),
+            keys.transpose(0, 1).float(),
+            values.transpose(0, 1).float(),
+            attn_mask=allowed,
+            scale=1.0 / math.sqrt(cfg.head_dim),
+            enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads,
+        )
+        context = context.transpose(0, 1).reshape(n, -1).to(attn_in.dtype)
+        hidden = (residual + attn.o_proj(context))[m - 1 :]  # last real position + d mask slots
+        hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_attention_layernorm.weight, eps))
+        out = rms_norm(hidden, self.norm.weight, eps)
+        # The reference applies the final norm a second time before the head; the checkpoints expect it.
+        logits = self.lm_head(rms_norm(out, self.norm.weight, eps))
+        return DraftOutput(logits, k[:m], v[:m])
+
+
+_IGNORED_TENSORS = {"t2d"}  # target→draft presence mask: unused at inference
+
+
+def load_drafter(
+    path: Path | str,
+    embed_tokens: torch.Tensor,
+    target_hidden_size: int,
+    target_vocab_size: int,
+    dtype: torch.dtype | None = None,
+) -> DartDrafter:
+    """Load `config.json` + `model.safetensors` (published layout) and check that it fits the target."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = DraftConfig.from_dir(path)
+    cfg.check_fits_target(target_hidden_size, target_vocab_size)
+    if embed_tokens.shape != (target_vocab_size, target_hidden_size):
+        raise DraftConfigError(f"target embedding table has shape {tuple(embed_tokens.shape)}")
+    weights_file = path / "model.safetensors"
+    try:
+        tensors = load_file(str(weights_file))
+    except FileNotFoundError as exc:
+        raise DraftConfigError(f"draft checkpoint {path} has no model.safetensors") from exc
+    except SafetensorError as exc:
+        raise DraftConfigError(
+            f"draft weights {weights_file} are not a valid safetensors file: {exc}"
+        ) from exc
+
+    model = DartDrafter(cfg, embed_tokens)
+    expected = model.state_dict()
+    if "d2t" not in tensors and cfg.draft_vocab_size != cfg.vocab_size:
+        raise DraftConfigError("draft vocabulary is smaller than the target's but the checkpoint has no d2t")
+    tensors.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected) - _IGNORED_TENSORS)
+    wrong = sorted(
+        f"{name}: {tuple(tensors[name].shape)} != {tuple(expected[name].shape)}"
+        for name in set(expected) & set(tensors)
+        if tensors[name].shape != expected[name].shape
+    )
+    if missing or unexpected or wrong:
+        raise DraftConfigError(
+            f"draft weights {weights_file} do not match its config: missing {missing}, "
+            f"unexpected {unexpected}, wrong shapes {wrong}"
+        )
+    d2t = tensors["d2t"].to(torch.int64)
+    if (
+        int((torch.arange(cfg.draft_vocab_size) + d2t).max()) >= cfg.vocab_size
+        or int((torch.arange(cfg.draft_vocab_size) + d2t).min()) < 0
+    ):
+        raise DraftConfigError("draft d2t maps draft ids outside the target vocabulary")
+    model.load_state_dict({**tensors, "d2t": d2t}, strict=False)
+    target_dtype = dtype or embed_tokens.dtype
+    return model.to(dtype=target_dtype, device=embed_tokens.device).eval()
