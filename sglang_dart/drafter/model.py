@@ -93,6 +93,50 @@ class DartDrafter(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    # The layer in pieces, shared by the single-request forward below and the batched serving path
+    # (sglang_dart.dart.draft_runner), which runs attention over SGLang's KV slots instead.
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """Residual stream of real positions: fc over the 3 concatenated target taps."""
+        return self.fc(aux_hidden)
+
+    def real_inputs(self, residual_real: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Attention input [m, 2H] of real rows: normed embedding of the next token, then normed residual."""
+        layer, eps = self.midlayer, self.cfg.rms_norm_eps
+        embeds = self.embed_tokens[next_tokens].to(residual_real.dtype)
+        return torch.cat(
+            [
+                rms_norm(embeds, layer.input_layernorm.weight, eps),
+                rms_norm(residual_real, layer.hidden_norm.weight, eps),
+            ],
+            dim=-1,
+        )
+
+    def mask_row(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input [2H], residual [H]) of every mask slot: the learned mask_rep, never normalised."""
+        rep = self.midlayer.mask_rep.to(dtype)
+        return rep, rep[: self.cfg.hidden_size]
+
+    def project_qkv(
+        self, attn_in: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE'd q [T, heads, hd], k and v [T, kv_heads, hd]."""
+        cfg, attn = self.cfg, self.midlayer.self_attn
+        n = attn_in.shape[0]
+        q = attn.q_proj(attn_in).view(n, cfg.num_attention_heads, cfg.head_dim)
+        k = attn.k_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
+        v = attn.v_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
+        return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta), v
+
+    def head(self, residual: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows that need them: o_proj + residual, MLP, final norm (twice), lm_head."""
+        layer, eps = self.midlayer, self.cfg.rms_norm_eps
+        hidden = residual + layer.self_attn.o_proj(context)
+        hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_attention_layernorm.weight, eps))
+        out = rms_norm(hidden, self.norm.weight, eps)
+        # The reference applies the final norm a second time before the head; the checkpoints expect it.
+        return self.lm_head(rms_norm(out, self.norm.weight, eps))
+
     def forward(
         self,
         aux_hidden: torch.Tensor,
@@ -101,39 +145,20 @@ class DartDrafter(nn.Module):
         past_keys: torch.Tensor | None = None,
         past_values: torch.Tensor | None = None,
     ) -> DraftOutput:
-        """aux_hidden: [m, 3·H_target] target taps of the m new real positions; next_tokens: [m] the token
-        following each (the last one is the root); start_pos: absolute position of the first of them
-        (= cached draft length); past_keys/values: [start_pos, kv_heads, head_dim]."""
-        cfg, layer = self.cfg, self.midlayer
-        m, d, eps = aux_hidden.shape[0], cfg.draft_length, cfg.rms_norm_eps
+        """One request. aux_hidden: [m, 3·H_target] target taps of the m new real positions; next_tokens:
+        [m] the token following each (the last one is the root); start_pos: absolute position of the
+        first of them (= cached draft length); past_keys/values: [start_pos, kv_heads, head_dim]."""
+        cfg = self.cfg
+        m, d = aux_hidden.shape[0], cfg.draft_length
         if m < 1:
             raise ValueError("the draft forward needs at least one real position")
-        residual_real = self.fc(aux_hidden)
-        embeds = self.embed_tokens[next_tokens].to(residual_real.dtype)
-        attn_in = torch.cat(
-            [
-                torch.cat(
-                    [
-                        rms_norm(embeds, layer.input_layernorm.weight, eps),
-                        rms_norm(residual_real, layer.hidden_norm.weight, eps),
-                    ],
-                    dim=-1,
-                ),
-                layer.mask_rep.to(residual_real.dtype).expand(d, -1),
-            ]
-        )
-        residual = torch.cat([residual_real, layer.mask_rep[: cfg.hidden_size].expand(d, -1)])
-
+        residual_real = self.fuse(aux_hidden)
+        mask_in, mask_residual = self.mask_row(residual_real.dtype)
+        attn_in = torch.cat([self.real_inputs(residual_real, next_tokens), mask_in.expand(d, -1)])
+        residual = torch.cat([residual_real, mask_residual.expand(d, -1)])
         n = m + d
         positions = torch.arange(start_pos, start_pos + n, device=aux_hidden.device)
-        attn = layer.self_attn
-        q = apply_rope(
-            attn.q_proj(attn_in).view(n, cfg.num_attention_heads, cfg.head_dim), positions, cfg.rope_theta
-        )
-        k = apply_rope(
-            attn.k_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim), positions, cfg.rope_theta
-        )
-        v = attn.v_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
+        q, k, v = self.project_qkv(attn_in, positions)
         keys = k if past_keys is None else torch.cat([past_keys.to(k.dtype), k])
         values = v if past_values is None else torch.cat([past_values.to(v.dtype), v])
         past = keys.shape[0] - n
@@ -149,11 +174,7 @@ class DartDrafter(nn.Module):
             enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads,
         )
         context = context.transpose(0, 1).reshape(n, -1).to(attn_in.dtype)
-        hidden = (residual + attn.o_proj(context))[m - 1 :]  # last real position + d mask slots
-        hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_attention_layernorm.weight, eps))
-        out = rms_norm(hidden, self.norm.weight, eps)
-        # The reference applies the final norm a second time before the head; the checkpoints expect it.
-        logits = self.lm_head(rms_norm(out, self.norm.weight, eps))
+        logits = self.head(residual[m - 1 :], context[m - 1 :])  # last real position + d mask slots
         return DraftOutput(logits, k[:m], v[:m])
 
 

@@ -1,0 +1,94 @@
+"""The DART draft layer run for a whole batch over SGLang's KV slots.
+
+The draft keeps, per target KV slot, two things (buffers sized like the target pool, so slot lifetimes,
+radix-cache sharing and freeing all follow the target's own bookkeeping):
+- the fused residual fc(taps) of the token in that slot (it depends on the prefix up to that token only);
+- the draft K/V of draft entry t, which pairs token t's residual with the embedding of token t+1, stored in
+  the slot of token t+1: it depends on tokens 0..t+1 only, so a shared radix prefix shares it correctly.
+The entry of the newest token (whose next token has no slot yet) is never stored; each step recomputes it
+from the stored residual. Mask slots are never stored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sglang_dart.cpu.tree_attention import attend, make_plan
+from sglang_dart.drafter import DartDrafter
+
+
+class DraftRunner:
+    def __init__(self, drafter: DartDrafter, req_to_token: torch.Tensor, num_slots: int) -> None:
+        cfg = drafter.cfg
+        dtype, device = drafter.fc.weight.dtype, drafter.fc.weight.device
+        self.drafter = drafter
+        self.req_to_token = req_to_token
+        self.residual = torch.zeros(num_slots, cfg.hidden_size, dtype=dtype, device=device)
+        self.keys = torch.zeros(num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.num_masks = cfg.draft_length
+
+    @torch.no_grad()
+    def store_residuals(self, slots: torch.Tensor, aux_hidden: torch.Tensor) -> None:
+        """Fuse the target taps of freshly computed tokens into their slots."""
+        if slots.numel():
+            self.residual[slots] = self.drafter.fuse(aux_hidden.to(self.residual.dtype))
+
+    @torch.no_grad()
+    def step(
+        self, req_pool_indices: torch.Tensor, first: list[int], last: list[int], next_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """Draft entries first[r]..last[r] of each request r (their tokens must have stored residuals;
+        next_tokens holds, grouped per request, the token after each), then the mask slots.
+        Stores the K/V of every entry but the last one, returns logits [bs, d + 1, draft_vocab]."""
+        drafter, d = self.drafter, self.num_masks
+        bs = len(first)
+        rpi = req_pool_indices.to(torch.int64)
+        real_counts = [b - a + 1 for a, b in zip(first, last, strict=True)]
+        # Token slots of the real rows, grouped per request.
+        slot_rows = torch.cat([self.req_to_token[rpi[r], first[r] : last[r] + 1] for r in range(bs)]).to(
+            torch.int64
+        )
+        residual_real = self.residual[slot_rows]
+        real_in = drafter.real_inputs(residual_real, next_tokens.to(torch.int64))
+        mask_in, mask_residual = drafter.mask_row(residual_real.dtype)
+
+        # Flat row layout: request r owns [real rows | d mask rows].
+        counts = torch.tensor([m + d for m in real_counts], dtype=torch.int64)
+        starts = torch.cumsum(counts, 0) - counts
+        within = torch.cat([torch.arange(m) for m in real_counts])
+        real_pos = torch.repeat_interleave(starts, torch.tensor(real_counts)) + within
+        total = int(counts.sum())
+        attn_in = mask_in.expand(total, -1).clone()
+        residual = mask_residual.expand(total, -1).clone()
+        attn_in[real_pos] = real_in
+        residual[real_pos] = residual_real
+        first_t = torch.tensor(first, dtype=torch.int64)
+        positions = torch.cat([torch.arange(a, a + c) for a, c in zip(first, counts.tolist(), strict=True)])
+
+        q, k, v = drafter.project_qkv(attn_in, positions.to(attn_in.device))
+        plan = make_plan(self.req_to_token[:, 1:], rpi, first_t, counts)  # entry t lives in slot of t+1
+        context = attend(
+            plan, q, k, v, self.keys, self.values, scaling=1.0 / math.sqrt(drafter.cfg.head_dim)
+        ).reshape(total, -1)
+
+        stored = [
+            (
+                starts[r] + torch.arange(real_counts[r] - 1),
+                self.req_to_token[rpi[r], first[r] + 1 : last[r] + 1],
+            )
+            for r in range(bs)
+            if real_counts[r] > 1
+        ]
+        if stored:
+            rows = torch.cat([s[0] for s in stored])
+            slots = torch.cat([s[1] for s in stored]).to(torch.int64)
+            self.keys[slots] = k[rows]
+            self.values[slots] = v[rows]
+
+        heads = (starts + torch.tensor(real_counts) - 1).unsqueeze(1) + torch.arange(d + 1).unsqueeze(0)
+        heads = heads.reshape(-1)
+        logits = drafter.head(residual[heads], context[heads])
+        return logits.view(bs, d + 1, -1)

@@ -1,0 +1,52 @@
+"""The batched draft runner over KV slots gives the single-request drafter's logits, step after step."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_dart.dart.draft_runner import DraftRunner
+from sglang_dart.drafter import load_drafter
+from tests.unit.test_drafter import H, V, _embedding, _write_checkpoint
+
+
+def test_batched_steps_match_single_request_forward(tmp_path):
+    drafter = load_drafter(_write_checkpoint(tmp_path / "draft"), _embedding(), H, V, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    num_slots, max_len = 200, 40
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
+    req_to_token = torch.zeros(4, max_len, dtype=torch.int32)
+    req_to_token[1] = perm[:max_len].to(torch.int32)
+    req_to_token[3] = perm[max_len : 2 * max_len].to(torch.int32)
+    runner = DraftRunner(drafter, req_to_token, num_slots)
+    rpi = torch.tensor([1, 3])
+    lengths = [7, 4]  # prompt lengths
+    total = [14, 12]  # tokens known by the end of the test
+    tokens = [torch.randint(0, V, (n + 1,), generator=gen) for n in total]
+    aux = [torch.randn(n, 3 * H, generator=gen) for n in total]
+
+    def reference(r, upto):  # single-request drafter over entries 0..upto-1 (last paired with token upto)
+        with torch.no_grad():
+            return drafter(aux[r][:upto], tokens[r][1 : upto + 1], start_pos=0).logits
+
+    # Prefill: residuals of the prompt tokens, entries 0..n-1.
+    for r in range(2):
+        runner.store_residuals(req_to_token[rpi[r], : lengths[r]].long(), aux[r][: lengths[r]])
+    nxt = torch.cat([tokens[r][1 : lengths[r] + 1] for r in range(2)])
+    logits = runner.step(rpi, [0, 0], [lengths[0] - 1, lengths[1] - 1], nxt)
+    for r in range(2):
+        torch.testing.assert_close(logits[r], reference(r, lengths[r]), atol=1e-4, rtol=1e-4)
+
+    # Decode steps accepting different numbers of tokens per request.
+    committed = list(lengths)
+    for accepted in ([3, 1], [0, 4], [3, 2]):
+        new = [min(a + 1, total[r] - committed[r]) for r, a in enumerate(accepted)]
+        for r in range(2):
+            slots = req_to_token[rpi[r], committed[r] : committed[r] + new[r]].long()
+            runner.store_residuals(slots, aux[r][committed[r] : committed[r] + new[r]])
+        first = [c - 1 for c in committed]
+        committed = [c + n for c, n in zip(committed, new, strict=True)]
+        last = [c - 1 for c in committed]
+        nxt = torch.cat([tokens[r][first[r] + 1 : last[r] + 2] for r in range(2)])
+        logits = runner.step(rpi, first, last, nxt)
+        for r in range(2):
+            torch.testing.assert_close(logits[r], reference(r, committed[r]), atol=1e-4, rtol=1e-4)
