@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,44 @@ def patch_jit_cflags() -> None:
         jit_compile.DEFAULT_CFLAGS.extend(flags)
 
 
+def register_dart() -> None:
+    """`--speculative-algorithm DART`: validated in the launcher, built in every scheduler process."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    from sglang_dart.dart import settings
+
+    class DartAlgorithm(CustomSpecAlgo):
+        def is_ngram(self) -> bool:  # scheduler side: NGRAM's tree verify input handling
+            return True
+
+        def __getattr__(self, name: str):  # noqa: ANN204
+            # SGLang 0.5.17 asks every algorithm for methods CustomSpecAlgo lacks (create_future_map,
+            # carries_draft_hidden_states, need_topk, ...): use the builtin enum's, which only call
+            # the is_*() answers above.
+            method = getattr(SpeculativeAlgorithm, name, None)
+            if name.startswith("_") or not callable(method):
+                raise AttributeError(name)
+            return types.MethodType(method, self)
+
+        def handle_server_args(self, server_args) -> None:  # noqa: ANN001
+            settings.handle_server_args(server_args)
+
+    def worker_class(_server_args):  # noqa: ANN001, ANN202
+        from sglang_dart.dart.worker import DartWorker
+
+        return DartWorker
+
+    SpeculativeAlgorithm.register(
+        "DART",
+        supports_overlap=False,
+        validate_server_args=settings.validate_server_args,
+        spec_class=DartAlgorithm,
+    )(worker_class)
+
+
 def register() -> None:
+    register_dart()
     if cpu_stand_in_active():
         install_cpu_attention()
         patch_jit_cflags()

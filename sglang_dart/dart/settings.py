@@ -1,0 +1,114 @@
+"""DART's server settings: stock SGLang flags where their meaning fits, the drafter's config and
+environment variables for the pruner knobs. Validated at start-up, in the launcher, before any model loads.
+
+- draft checkpoint: `--speculative-draft-model-path` (config.json + model.safetensors);
+- 3-gram store: `--speculative-ngram-external-corpus-path` (built by `python -m sglang_dart.ngram build`);
+- tree size N, root included: `--speculative-num-draft-tokens` (default 16);
+- candidates per depth k: `--speculative-eagle-topk` (default 8);
+- tree depth: the drafter's `draft_length` + 1 (`--speculative-num-steps` is set to it);
+- beam width, β, λ exponent, α base: `SGLANG_DART_BEAM_WIDTH`, `SGLANG_DART_NGRAM_WEIGHT`,
+  `SGLANG_DART_LEVEL_EXPONENT`, `SGLANG_DART_LOGIT_BASE`, else the `dart_beam_width`, `dart_ngram_weight`,
+  `dart_level_weight_exponent`, `dart_logit_weight_base` keys of the drafter's config.json, else the
+  reference's 20 / 0.5 / 0.7 / 0.9.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from sglang_dart.drafter import DraftConfig, DraftConfigError
+from sglang_dart.pruner import PrunerConfig
+
+DEFAULT_NUM_DRAFT_TOKENS = 16
+DEFAULT_TOPK = 8
+
+_KNOBS = {  # PrunerConfig field: (environment variable, drafter config key, type)
+    "beam_width": ("SGLANG_DART_BEAM_WIDTH", "dart_beam_width", int),
+    "ngram_weight": ("SGLANG_DART_NGRAM_WEIGHT", "dart_ngram_weight", float),
+    "level_weight_exponent": ("SGLANG_DART_LEVEL_EXPONENT", "dart_level_weight_exponent", float),
+    "logit_weight_base": ("SGLANG_DART_LOGIT_BASE", "dart_logit_weight_base", float),
+}
+
+
+class DartArgsError(ValueError):
+    """A server argument DART cannot run with."""
+
+
+def pruner_config(server_args: Any) -> PrunerConfig:
+    raw = json.loads((Path(server_args.speculative_draft_model_path) / "config.json").read_text())
+    knobs: dict[str, Any] = {}
+    for field, (env, key, kind) in _KNOBS.items():
+        value = os.environ.get(env, raw.get(key))
+        if value is not None:
+            try:
+                knobs[field] = kind(value)
+            except ValueError as exc:
+                raise DartArgsError(f"{env or key}={value!r} is not a valid {kind.__name__}") from exc
+    return PrunerConfig(
+        topk=server_args.speculative_eagle_topk,
+        num_nodes=server_args.speculative_num_draft_tokens - 1,
+        **knobs,
+    )
+
+
+def validate_server_args(server_args: Any) -> None:
+    """Fill DART's defaults into the stock flags and refuse what DART cannot run with, naming it."""
+    from sglang_dart.ngram import NgramFormatError, NgramStore
+
+    if not server_args.speculative_draft_model_path:
+        raise DartArgsError("DART needs a draft checkpoint: --speculative-draft-model-path DIR")
+    try:
+        draft = DraftConfig.from_dir(server_args.speculative_draft_model_path)
+    except DraftConfigError as exc:
+        raise DartArgsError(f"DART draft checkpoint: {exc}") from exc
+    store_path = server_args.speculative_ngram_external_corpus_path
+    if not store_path:
+        raise DartArgsError("DART needs a 3-gram store: --speculative-ngram-external-corpus-path FILE")
+    if not Path(store_path).is_file():
+        raise DartArgsError(f"DART 3-gram store {store_path} does not exist")
+    try:
+        NgramStore(store_path)
+    except (NgramFormatError, OSError, ValueError) as exc:
+        raise DartArgsError(f"DART 3-gram store {store_path} is unusable: {exc}") from exc
+    if server_args.device not in ("cpu", "cuda"):
+        raise DartArgsError(f"DART runs on cpu or cuda, not {server_args.device}")
+    for name, ok in (
+        ("--tp-size > 1", server_args.tp_size == 1),
+        ("--pp-size > 1", server_args.pp_size == 1),
+        ("--dp-size > 1", server_args.dp_size == 1),
+        ("--page-size > 1", (server_args.page_size or 1) == 1),
+        ("--enable-dp-attention", not server_args.enable_dp_attention),
+    ):
+        if not ok:
+            raise DartArgsError(f"DART does not support {name} yet")
+
+    if server_args.speculative_num_draft_tokens is None:
+        server_args.speculative_num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+    if server_args.speculative_eagle_topk is None:
+        server_args.speculative_eagle_topk = DEFAULT_TOPK
+    server_args.speculative_num_steps = draft.draft_length + 1
+    if server_args.speculative_num_draft_tokens < 2:
+        raise DartArgsError("--speculative-num-draft-tokens must be >= 2 (the root and at least one draft)")
+    if not 1 <= server_args.speculative_eagle_topk <= draft.draft_vocab_size:
+        raise DartArgsError(
+            f"--speculative-eagle-topk must be in [1, {draft.draft_vocab_size}] (the draft vocabulary)"
+        )
+    cfg = pruner_config(server_args)
+    possible = cfg.candidate_count(draft.draft_length + 1, server_args.speculative_eagle_topk)
+    if cfg.num_nodes > possible:
+        raise DartArgsError(
+            f"--speculative-num-draft-tokens {server_args.speculative_num_draft_tokens} exceeds the "
+            f"{possible + 1} tree nodes that depth {draft.draft_length + 1}, top-k "
+            f"{server_args.speculative_eagle_topk} and beam width {cfg.beam_width} can give"
+        )
+
+
+def handle_server_args(server_args: Any) -> None:
+    """Scheduling DART needs: synchronous steps, no mixed prefill/decode batches."""
+    server_args.disable_overlap_schedule = True
+    server_args.enable_mixed_chunk = False
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = 64
