@@ -6,10 +6,11 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
 - tree size N, root included: `--speculative-num-draft-tokens` (default 16);
 - candidates per depth k: `--speculative-eagle-topk` (default 8);
 - tree depth: the drafter's `draft_length` + 1 (`--speculative-num-steps` is set to it);
-- beam width, β, λ exponent, α base: `SGLANG_DART_BEAM_WIDTH`, `SGLANG_DART_NGRAM_WEIGHT`,
-  `SGLANG_DART_LEVEL_EXPONENT`, `SGLANG_DART_LOGIT_BASE`, else the `dart_beam_width`, `dart_ngram_weight`,
-  `dart_level_weight_exponent`, `dart_logit_weight_base` keys of the drafter's config.json, else the
-  reference's 20 / 0.5 / 0.7 / 0.9.
+- beam width, β, λ exponent, α base, n-gram term at the first level: `SGLANG_DART_BEAM_WIDTH`,
+  `SGLANG_DART_NGRAM_WEIGHT`, `SGLANG_DART_LEVEL_EXPONENT`, `SGLANG_DART_LOGIT_BASE`,
+  `SGLANG_DART_NGRAM_AT_LEVEL0`, else the `dart_beam_width`, `dart_ngram_weight`,
+  `dart_level_weight_exponent`, `dart_logit_weight_base`, `dart_ngram_at_level0` keys of the drafter's
+  config.json, else the reference's 20 / 0.5 / 0.7 / 0.9 / false.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ _KNOBS = {  # PrunerConfig field: (environment variable, drafter config key, typ
     "ngram_weight": ("SGLANG_DART_NGRAM_WEIGHT", "dart_ngram_weight", float),
     "level_weight_exponent": ("SGLANG_DART_LEVEL_EXPONENT", "dart_level_weight_exponent", float),
     "logit_weight_base": ("SGLANG_DART_LOGIT_BASE", "dart_logit_weight_base", float),
+    "ngram_at_level0": (
+        "SGLANG_DART_NGRAM_AT_LEVEL0",
+        "dart_ngram_at_level0",
+        lambda v: str(v).lower() in ("1", "true"),
+    ),
 }
 
 
@@ -46,7 +52,7 @@ def pruner_config(server_args: Any) -> PrunerConfig:
             try:
                 knobs[field] = kind(value)
             except ValueError as exc:
-                raise DartArgsError(f"{env or key}={value!r} is not a valid {kind.__name__}") from exc
+                raise DartArgsError(f"{env} / {key} = {value!r} is not valid for {field}") from exc
     return PrunerConfig(
         topk=server_args.speculative_eagle_topk,
         num_nodes=server_args.speculative_num_draft_tokens - 1,

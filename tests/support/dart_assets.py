@@ -11,7 +11,9 @@ from safetensors.torch import save_file
 from tests.support.tiny_models import training_corpus
 
 
-def build_random_drafter(out_dir: Path, target_dir: Path, draft_length: int = 3, seed: int = 0) -> Path:
+def build_random_drafter(
+    out_dir: Path, target_dir: Path, draft_length: int = 3, seed: int = 0, **extra_config: object
+) -> Path:
     """A DART draft checkpoint in the published layout whose shapes fit the target (random weights:
     they change how many drafts get accepted, never the output)."""
     target = json.loads((Path(target_dir) / "config.json").read_text())
@@ -58,19 +60,36 @@ def build_random_drafter(out_dir: Path, target_dir: Path, draft_length: int = 3,
         "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
         "rope_theta": target.get("rope_theta", 10000.0),
         "hidden_act": "silu",
+        **extra_config,
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(out_dir / "model.safetensors"))
     return out_dir
 
 
-def build_store_for(target_dir: Path, out_file: Path, max_files: int = 40) -> Path:
-    """A 3-gram store over the Python standard library's sources, tokenized with the target's tokenizer."""
+def build_store_for(target_dir: Path, out_file: Path, texts: list[str] | None = None) -> Path:
+    """A 3-gram store over `texts` (default: Python standard library sources), tokenized with the target's
+    tokenizer."""
     from transformers import AutoTokenizer
 
     from sglang_dart.ngram import build_store
 
-    corpus = Path(out_file).with_suffix(".corpus.txt")
-    corpus.write_text("\n".join(training_corpus(max_files)))
+    corpus = Path(out_file).with_suffix(".corpus.jsonl")
+    documents = texts if texts is not None else training_corpus(40)
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in documents))
     build_store(AutoTokenizer.from_pretrained(target_dir), [corpus], out_file, progress=False)
+    return Path(out_file)
+
+
+def build_store_from_ids(target_dir: Path, out_file: Path, documents: list[list[int]]) -> Path:
+    """A 3-gram store over token-id documents, stamped with the target tokenizer's fingerprint."""
+    from transformers import AutoTokenizer
+
+    from sglang_dart.ngram import NgramBuilder, tokenizer_fingerprint
+
+    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    builder = NgramBuilder(vocab, tokenizer_fingerprint(AutoTokenizer.from_pretrained(target_dir)))
+    for doc in documents:
+        builder.add_document(doc)
+    builder.finish(Path(out_file))
     return Path(out_file)
