@@ -4,8 +4,11 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
 - draft checkpoint: `--speculative-draft-model-path` (config.json + model.safetensors);
 - 3-gram store: `--speculative-ngram-external-corpus-path` (built by `python -m sglang_dart.ngram build`);
 - tree size N, root included: `--speculative-num-draft-tokens` (default 16);
-- candidates per depth k: `--speculative-eagle-topk` (default 8);
-- tree depth: the drafter's `draft_length` + 1 (`--speculative-num-steps` is set to it);
+- candidates per depth k: `--speculative-eagle-topk` (default 8). SGLang reserves KV per request and step
+  for `num_steps × topk` tokens, while a DART step writes exactly N, so at start-up k moves to the
+  environment variable `SGLANG_DART_TOPK` (inherited by the scheduler processes) and the flag becomes 1;
+- tree depth: the drafter's `draft_length` + 1 (`--speculative-num-steps` becomes min(depth, N - 1), the
+  longest path a step can accept);
 - beam width, β, λ exponent, α base, n-gram term at the first level: `SGLANG_DART_BEAM_WIDTH`,
   `SGLANG_DART_NGRAM_WEIGHT`, `SGLANG_DART_LEVEL_EXPONENT`, `SGLANG_DART_LOGIT_BASE`,
   `SGLANG_DART_NGRAM_AT_LEVEL0`, else the `dart_beam_width`, `dart_ngram_weight`,
@@ -25,6 +28,7 @@ from sglang_dart.pruner import PrunerConfig
 
 DEFAULT_NUM_DRAFT_TOKENS = 16
 DEFAULT_TOPK = 8
+TOPK_ENV = "SGLANG_DART_TOPK"
 
 _KNOBS = {  # PrunerConfig field: (environment variable, drafter config key, type)
     "beam_width": ("SGLANG_DART_BEAM_WIDTH", "dart_beam_width", int),
@@ -54,10 +58,12 @@ def pruner_config(server_args: Any) -> PrunerConfig:
             except ValueError as exc:
                 raise DartArgsError(f"{env} / {key} = {value!r} is not valid for {field}") from exc
     return PrunerConfig(
-        topk=server_args.speculative_eagle_topk,
-        num_nodes=server_args.speculative_num_draft_tokens - 1,
-        **knobs,
+        topk=candidates_per_depth(), num_nodes=server_args.speculative_num_draft_tokens - 1, **knobs
     )
+
+
+def candidates_per_depth() -> int:
+    return int(os.environ.get(TOPK_ENV, DEFAULT_TOPK))
 
 
 def validate_server_args(server_args: Any) -> None:
@@ -93,22 +99,26 @@ def validate_server_args(server_args: Any) -> None:
 
     if server_args.speculative_num_draft_tokens is None:
         server_args.speculative_num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
-    if server_args.speculative_eagle_topk is None:
-        server_args.speculative_eagle_topk = DEFAULT_TOPK
-    server_args.speculative_num_steps = draft.draft_length + 1
     if server_args.speculative_num_draft_tokens < 2:
         raise DartArgsError("--speculative-num-draft-tokens must be >= 2 (the root and at least one draft)")
-    if not 1 <= server_args.speculative_eagle_topk <= draft.draft_vocab_size:
+    given = server_args.speculative_eagle_topk
+    translated = given == 1 and TOPK_ENV in os.environ  # validated before in this process tree
+    topk = given if given is not None and not translated else candidates_per_depth()
+    if not 1 <= topk <= draft.draft_vocab_size:
         raise DartArgsError(
-            f"--speculative-eagle-topk must be in [1, {draft.draft_vocab_size}] (the draft vocabulary)"
+            f"--speculative-eagle-topk must be in [1, {draft.draft_vocab_size}] (draft vocabulary)"
         )
+    os.environ[TOPK_ENV] = str(topk)
+    depth = draft.draft_length + 1
+    server_args.speculative_eagle_topk = 1
+    server_args.speculative_num_steps = min(depth, server_args.speculative_num_draft_tokens - 1)
     cfg = pruner_config(server_args)
-    possible = cfg.candidate_count(draft.draft_length + 1, server_args.speculative_eagle_topk)
+    possible = cfg.candidate_count(depth, topk)
     if cfg.num_nodes > possible:
         raise DartArgsError(
             f"--speculative-num-draft-tokens {server_args.speculative_num_draft_tokens} exceeds the "
-            f"{possible + 1} tree nodes that depth {draft.draft_length + 1}, top-k "
-            f"{server_args.speculative_eagle_topk} and beam width {cfg.beam_width} can give"
+            f"{possible + 1} tree nodes that depth {depth}, top-k {topk} and beam width {cfg.beam_width} "
+            "can give"
         )
 
 

@@ -27,7 +27,7 @@ from sglang.srt.speculative.ngram_worker import NGRAMWorker
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from sglang_dart.dart.draft_runner import DraftRunner
-from sglang_dart.dart.settings import DartArgsError, pruner_config
+from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config
 from sglang_dart.drafter import load_drafter
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
 from sglang_dart.pruner import prune_batch
@@ -48,7 +48,8 @@ class DartWorker(NGRAMWorker):
         self.draft_token_num = server_args.speculative_num_draft_tokens
         self.speculative_num_draft_tokens = self.draft_token_num
         self.speculative_num_steps = server_args.speculative_num_steps
-        self.topk = server_args.speculative_eagle_topk
+        self.topk = server_args.speculative_eagle_topk  # 1: see settings; the pruner's k is below
+        self.candidates = candidates_per_depth()
         self.adaptive_controller = None
         self.grammar_tree_host = None
         self._prev_decode_rids: set = set()
@@ -105,8 +106,7 @@ class DartWorker(NGRAMWorker):
     def _build_trees(
         self, batch: Any, logits: torch.Tensor, roots: list[int], contexts: list[list[int]]
     ) -> None:
-        k = self.topk
-        top = torch.topk(logits.float(), k, dim=-1)
+        top = torch.topk(logits.float(), self.candidates, dim=-1)
         probs = torch.softmax(top.values, dim=-1)  # the softmax over the top-k, as the reference
         tokens = self.drafter.draft_to_target(top.indices)
         trees = prune_batch(
