@@ -27,6 +27,7 @@ from sglang.srt.speculative.ngram_worker import NGRAMWorker
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from sglang_dart.dart.draft_runner import DraftRunner
+from sglang_dart.dart.sampling import pin_logits_to_samples
 from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config
 from sglang_dart.drafter import load_drafter
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
@@ -186,6 +187,8 @@ class DartWorker(NGRAMWorker):
             result = self.target_worker.forward_batch_generation(batch, is_verify=True)
             logits_output = result.logits_output
             verify_input = batch.spec_info
+            taps = logits_output.hidden_states
+            pin_logits_to_samples(batch.sampling_info, logits_output.next_token_logits, self.draft_token_num)
             predict, accept_lens, accept_index = eagle_sample(verify_input, batch, logits_output, None)
             new_seq_lens = batch.seq_lens + accept_lens
             accept_tokens = predict[accept_index].flatten()
@@ -198,7 +201,7 @@ class DartWorker(NGRAMWorker):
                 )
             if on_publish is not None:
                 on_publish(new_seq_lens)
-            self._draft_after_verify(batch, logits_output.hidden_states, accept_index, accept_lens, predict)
+            self._draft_after_verify(batch, taps, accept_index, accept_lens, predict)
             self._forget_departed(batch)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens

@@ -43,16 +43,22 @@ def qwen3_assets(tiny_qwen3_dir, tmp_path_factory) -> tuple[Path, Path]:
     )
 
 
+SEED = ["--random-seed", "0"]
+
+
 @pytest.fixture(scope="module")
 def qwen3_plain(tiny_qwen3_dir, server_logs) -> Iterator[SglangServer]:
-    server = SglangServer(tiny_qwen3_dir, ["--dtype", "float32"], server_logs / "qwen3-plain.log").start()
+    server = SglangServer(
+        tiny_qwen3_dir, ["--dtype", "float32", *SEED], server_logs / "qwen3-plain.log"
+    ).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def qwen3_dart(tiny_qwen3_dir, qwen3_assets, server_logs) -> Iterator[SglangServer]:
-    server = SglangServer(tiny_qwen3_dir, _dart_args(*qwen3_assets), server_logs / "qwen3-dart.log").start()
+    args = [*_dart_args(*qwen3_assets), *SEED]
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart.log").start()
     yield server
     server.stop()
 
@@ -72,6 +78,105 @@ def test_qwen3_greedy_equals_plain(qwen3_plain, qwen3_dart, concurrency):
         assert spec["output_ids"] == ref, prompt
         assert spec["meta_info"]["spec_verify_ct"] > 0
     assert qwen3_dart.healthy()
+
+
+def _first_tokens(server: SglangServer, prompt: str, samples: int, length: int) -> list[list[int]]:
+    # The random tiny model is nearly uniform at temperature 1; at 0.1 its next-token distributions have
+    # a dominant token and a tail (measured: about 70% / 30% over 15-30 tokens), which a greedy-only
+    # verifier would visibly break.
+    out = server.generate(
+        {
+            "text": [prompt] * samples,
+            "sampling_params": {"max_new_tokens": length, "temperature": 0.1, "ignore_eos": True},
+        },
+        timeout=900,
+    )
+    return [o["output_ids"] for o in out]
+
+
+def test_sampling_keeps_the_target_distribution(qwen3_plain, qwen3_dart):
+    """Two-sample chi-square homogeneity test on each of the first 3 sampled tokens (the 2nd and 3rd come
+    out of tree verification). Each test at alpha = 1e-3; family-wise false-alarm rate <= 0.3%."""
+    from scipy.stats import chi2_contingency
+
+    samples, length, prompt = 600, 3, "def parse(line):"
+    plain = _first_tokens(qwen3_plain, prompt, samples, length)
+    spec = _first_tokens(qwen3_dart, prompt, samples, length)
+    for pos in range(length):
+        a = [o[pos] for o in plain]
+        b = [o[pos] for o in spec]
+        tokens = sorted(set(a) | set(b))
+        table = [[a.count(t) for t in tokens], [b.count(t) for t in tokens]]
+        # Merge rare tokens so every expected count is >= 5 (the test's validity condition).
+        common = [i for i, t in enumerate(tokens) if table[0][i] + table[1][i] >= 10]
+        rare = [i for i in range(len(tokens)) if i not in common]
+        merged = [[row[i] for i in common] + [sum(row[i] for i in rare)] for row in table]
+        merged = [
+            [x for x, keep in zip(row, [*(True for _ in common), bool(rare)], strict=True) if keep]
+            for row in merged
+        ]
+        assert len(merged[0]) >= 2, f"position {pos}: distribution too peaked to test"
+        p_value = chi2_contingency(merged).pvalue
+        assert p_value > 1e-3, f"position {pos}: p = {p_value:.2e}, tables {merged}"
+
+
+def test_streaming_load_with_random_aborts(qwen3_dart, qwen3_plain):
+    """64 concurrent streaming requests, a third of them dropped mid-stream; then the server is healthy
+    (SGLang's idle KV leak check would have killed the scheduler) and still lossless."""
+    import random
+
+    import requests
+
+    rng = random.Random(7)
+    prompts = many_prompts(64)
+
+    def stream(i: int) -> int:
+        body = {
+            "text": prompts[i],
+            "sampling_params": {"max_new_tokens": 48, "temperature": 0.0 if i % 2 else 0.8},
+            "stream": True,
+        }
+        stop_after = rng.randint(1, 8) if i % 3 == 0 else None
+        chunks = 0
+        with requests.post(f"{qwen3_dart.url}/generate", json=body, stream=True, timeout=600) as resp:
+            for line in resp.iter_lines():
+                if line.startswith(b"data:"):
+                    chunks += 1
+                    if stop_after is not None and chunks >= stop_after:
+                        break
+        return chunks
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        assert all(c > 0 for c in pool.map(stream, range(64)))
+    import time
+
+    time.sleep(3)  # let the scheduler go idle and run its memory check
+    assert qwen3_dart.healthy()
+    check = many_prompts(4)
+    assert [o["output_ids"] for o in _run_all(qwen3_dart, check, 4)] == [
+        o["output_ids"] for o in _run_all(qwen3_plain, check, 4)
+    ]
+    assert "leak" not in qwen3_dart.log_text().lower()
+
+
+def test_smollm2_greedy_equals_plain(smollm2_f32_dir, smollm2_server, tmp_path, server_logs):
+    from transformers import AutoTokenizer
+
+    from tests.support.prompts import ALL_PROMPTS, chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
+    draft = build_random_drafter(tmp_path / "draft", smollm2_f32_dir)
+    store = build_store_for(smollm2_f32_dir, tmp_path / "smol.store")
+    server = SglangServer(smollm2_f32_dir, _dart_args(draft, store), server_logs / "smollm2-dart.log").start()
+    try:
+        ids = [chat_ids(tokenizer, p) for p in ALL_PROMPTS]
+        payload = lambda x: {"input_ids": x, "sampling_params": {"max_new_tokens": 32, "temperature": 0.0}}  # noqa: E731
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            spec = list(pool.map(lambda x: server.generate(payload(x))["output_ids"], ids))
+        plain = [smollm2_server.greedy_ids(x, 32) for x in ids]
+        assert spec == plain
+    finally:
+        server.stop()
 
 
 def test_drafts_are_accepted_when_the_store_knows_the_target(
