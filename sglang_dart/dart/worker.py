@@ -53,7 +53,6 @@ class DartWorker(NGRAMWorker):
         self.candidates = candidates_per_depth()
         self.adaptive_controller = None
         self.grammar_tree_host = None
-        self._prev_decode_rids: set = set()
 
         model, model_config = self.model_runner.model, self.model_runner.model_config
         if not hasattr(model, "set_eagle3_layers_to_capture"):
@@ -76,7 +75,11 @@ class DartWorker(NGRAMWorker):
             raise DartArgsError(
                 f"3-gram store {path} has vocabulary {self.store.vocab_size} > target's {vocab}"
             )
-        if tokenizer is not None and self.store.tokenizer_fingerprint != tokenizer_fingerprint(tokenizer):
+        if tokenizer is None:
+            return
+        if self.store.tokenizer_fingerprint == 0:  # e.g. imported from a reference .trie without one
+            logger.warning("3-gram store %s records no tokenizer fingerprint; not checked", path)
+        elif self.store.tokenizer_fingerprint != tokenizer_fingerprint(tokenizer):
             raise DartArgsError(f"3-gram store {path} was built with another tokenizer than the target's")
 
     def alloc_memory_pool(self, **kwargs: Any) -> None:
@@ -86,10 +89,15 @@ class DartWorker(NGRAMWorker):
 
     def clear_cache_pool(self) -> None:
         self._trees.clear()
-        self._prev_decode_rids = set()
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
         raise ValueError("DART reads its 3-gram store from --speculative-ngram-external-corpus-path only")
+
+    def remove_external_corpus(self, corpus_id: str) -> None:
+        raise ValueError("DART has no runtime corpora")
+
+    def list_external_corpora(self) -> dict[str, int]:
+        return {}
 
     # --- trees -----------------------------------------------------------------------------------------
 
@@ -237,7 +245,8 @@ class DartWorker(NGRAMWorker):
         )
 
     def _forget_departed(self, batch: Any) -> None:
+        # A decode batch holds every running request (DART runs without mixed or overlapped batches), so
+        # a tree of any other request belongs to one that finished, was aborted or was retracted.
         current = {req.rid for req in batch.reqs}
-        for rid in self._prev_decode_rids - current:
-            self._trees.pop(rid, None)
-        self._prev_decode_rids = current
+        for rid in [rid for rid in self._trees if rid not in current]:
+            del self._trees[rid]
