@@ -236,3 +236,23 @@ def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_
     foreign_store = build_store_for(smollm2_f32_dir, tmp_path / "smol.store", texts=["def f(x): return x"])
     assert "vocabulary" in _launch_dart(tiny_qwen3_dir, draft, foreign_store)
     assert "--tp-size" in _launch_dart(tiny_qwen3_dir, draft, store, ["--tp-size", "2"])
+
+
+def test_chunked_prefill_and_stop_strings(tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs):
+    """Prompts longer than the prefill chunk (the draft entry at each chunk boundary is recomputed from the
+    stored residual) and stop strings give the plain server's output."""
+    args = [*_dart_args(*qwen3_assets), *SEED, "--chunked-prefill-size", "16"]
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart-chunked.log").start()
+    try:
+        long_prompts = [p * 4 for p in many_prompts(8)]
+        spec_ids = [o["output_ids"] for o in _run_all(server, long_prompts, 4)]
+        assert spec_ids == [o["output_ids"] for o in _run_all(qwen3_plain, long_prompts, 4)]
+        greedy = {"max_new_tokens": 24, "temperature": 0.0}
+        free_text = qwen3_plain.generate({"text": long_prompts[0], "sampling_params": greedy})["text"]
+        body = {"text": long_prompts[0], "sampling_params": {**greedy, "stop": free_text[5:8]}}
+        spec, plain = server.generate(body), qwen3_plain.generate(body)
+        assert spec["text"] == plain["text"]
+        assert spec["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+        assert plain["meta_info"]["finish_reason"]["type"] == "stop"
+    finally:
+        server.stop()
