@@ -9,7 +9,7 @@ gets the same attention output whichever mode (decode, extend, verify) computes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -29,6 +29,12 @@ class AttentionPlan:
     @property
     def num_rows(self) -> int:
         return int(self.query_valid.sum())
+
+    def to(self, device: torch.device) -> AttentionPlan:
+        """The plan is built on the host; move it next to the activations (a no-op on CPU)."""
+        if self.mask.device == device:
+            return self
+        return AttentionPlan(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def _padded(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +114,7 @@ def attend(
     out = q.new_zeros((q.shape[0], q.shape[1], v_new.shape[-1]))
     if plan.query_row.numel() == 0:
         return out
+    plan = plan.to(q.device)
     qp = q[plan.query_row].float().transpose(1, 2)  # [bs, H, Q, D]
     kp = torch.cat([k_cache[plan.prefix_loc], k_new[plan.query_row]], dim=1).float().transpose(1, 2)
     vp = torch.cat([v_cache[plan.prefix_loc], v_new[plan.query_row]], dim=1).float().transpose(1, 2)
@@ -115,7 +122,7 @@ def attend(
     if sliding_window is not None and sliding_window > -1:
         mask = mask & (plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window)
     # Padding rows see nothing; give them key 0 so the softmax stays finite (their output is dropped).
-    mask = mask | ~mask.any(dim=2, keepdim=True) & (torch.arange(mask.shape[2]) == 0)
+    mask = mask | ~mask.any(dim=2, keepdim=True) & (torch.arange(mask.shape[2], device=mask.device) == 0)
     mask = mask.unsqueeze(1)
     if logit_cap and logit_cap > 0:
         group = qp.shape[1] // kp.shape[1]
