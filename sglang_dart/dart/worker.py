@@ -102,10 +102,18 @@ class DartWorker(NGRAMWorker):
     # --- trees -----------------------------------------------------------------------------------------
 
     def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
-        trees = [self._trees[req.rid] for req in batch.reqs]
+        trees = [self._trees.get(req.rid) or self._fallback_tree(req) for req in batch.reqs]
         tokens = np.stack([t for t, _ in trees]).astype(np.int64).reshape(-1)
         masks = np.stack([m for _, m in trees]).reshape(-1)
         return tokens, masks
+
+    def _fallback_tree(self, req: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Every request gets its tree at prefill, so this should not happen; if it does, verify a chain that
+        repeats the root (still lossless, merely unlikely to be accepted) instead of failing the batch."""
+        logger.warning("DART: no draft tree for request %s; verifying a placeholder chain", req.rid)
+        n = self.draft_token_num
+        root = (list(req.origin_input_ids) + list(req.output_ids))[-1]
+        return np.full(n, root, dtype=np.int64), np.tril(np.ones((n, n), dtype=bool))
 
     def _prepare_for_speculative_decoding(self, batch: Any) -> None:
         super()._prepare_for_speculative_decoding(batch)
