@@ -1,6 +1,7 @@
 """SGLang plugin entry point (`sglang.srt.plugins` group): run once in every SGLang process.
 
-On a machine with no GPU it installs the CPU attention backend that supports speculative verify.
+It registers `--speculative-algorithm DART`, and on a machine with no GPU it installs the CPU attention
+backend that supports speculative verify.
 """
 
 from __future__ import annotations
