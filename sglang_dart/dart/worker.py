@@ -36,6 +36,15 @@ from sglang_dart.pruner import prune_batch
 logger = logging.getLogger(__name__)
 
 
+def _last_tokens(req: Any, n: int) -> list[int]:
+    """The last n tokens of prompt + output, without copying the whole sequence."""
+    tail = list(req.output_ids[-n:])
+    return (
+        list(req.origin_input_ids[max(len(req.origin_input_ids) - (n - len(tail)), 0) :])[: n - len(tail)]
+        + tail
+    )
+
+
 class DartWorker(NGRAMWorker):
     def __init__(self, server_args: Any, gpu_id: int, ps: Any, nccl_port: int, target_worker: Any) -> None:
         BaseSpecWorker.__init__(self)  # not NGRAMWorker's: DART has no suffix corpus
@@ -112,7 +121,7 @@ class DartWorker(NGRAMWorker):
         repeats the root (still lossless, merely unlikely to be accepted) instead of failing the batch."""
         logger.warning("DART: no draft tree for request %s; verifying a placeholder chain", req.rid)
         n = self.draft_token_num
-        root = (list(req.origin_input_ids) + list(req.output_ids))[-1]
+        root = _last_tokens(req, 1)[0]
         return np.full(n, root, dtype=np.int64), np.tril(np.ones((n, n), dtype=bool))
 
     def _prepare_for_speculative_decoding(self, batch: Any) -> None:
@@ -142,15 +151,12 @@ class DartWorker(NGRAMWorker):
     def _draft_after_extend(self, batch: Any, taps: torch.Tensor, sampled: torch.Tensor) -> None:
         runner = self.runner
         rpi = batch.req_pool_indices
-        firsts, lasts, nexts, roots, contexts = [], [], [], [], []
-        row = 0
+        firsts, lasts, nexts, roots, contexts, slots = [], [], [], [], [], []
         sampled_ids = sampled.tolist()
         for i, req in enumerate(batch.reqs):
             prefix, extend = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
             end = prefix + extend
-            slots = runner.req_to_token[rpi[i], prefix:end].to(torch.int64)
-            runner.store_residuals(slots, taps[row : row + extend])
-            row += extend
+            slots.append(runner.req_to_token[rpi[i], prefix:end])
             seq = list(req.origin_input_ids) + list(req.output_ids)
             after = seq[end] if end < len(seq) else sampled_ids[i]  # next prompt token, or the first output
             tail = seq[:end] + [after]
@@ -160,6 +166,9 @@ class DartWorker(NGRAMWorker):
             nexts.extend(tail[first + 1 : end + 1])
             roots.append(after)
             contexts.append(([-1, -1] + tail)[-3:-1])
+        # The taps rows are the extend tokens of every request, in batch order: one fused write for all.
+        slot_rows = torch.cat(slots).to(torch.int64)
+        runner.store_residuals(slot_rows, taps[: slot_rows.numel()])
         logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
         self._build_trees(batch, logits, roots, contexts)
 
@@ -174,23 +183,23 @@ class DartWorker(NGRAMWorker):
         runner = self.runner
         rpi = batch.req_pool_indices
         drafts = batch.spec_info.draft_token.view(-1)
-        firsts, lasts, nexts, roots, contexts = [], [], [], [], []
+        firsts, lasts, nexts, roots, contexts, slots, paths = [], [], [], [], [], [], []
         seq_lens = batch.seq_lens.tolist()
         for i, req in enumerate(batch.reqs):
             count = int(accept_lens[i])
             path = accept_index[i, :count].to(torch.int64)  # root, then the accepted drafts
             committed = seq_lens[i]
-            runner.store_residuals(
-                runner.req_to_token[rpi[i], committed : committed + count].to(torch.int64), taps[path]
-            )
+            slots.append(runner.req_to_token[rpi[i], committed : committed + count])
+            paths.append(path)
             new_tokens = drafts[path].tolist()
             bonus = int(predict[path[-1]])
             firsts.append(committed - 1)
             lasts.append(committed + count - 1)
             nexts.extend(new_tokens + [bonus])
             roots.append(bonus)
-            history = (list(req.origin_input_ids) + list(req.output_ids))[-2:]
+            history = _last_tokens(req, 2)
             contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
+        runner.store_residuals(torch.cat(slots).to(torch.int64), taps[torch.cat(paths)])  # one fused write
         logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
         self._build_trees(batch, logits, roots, contexts)
 
