@@ -1,0 +1,101 @@
+"""Train a DART drafter for a target model on the target's own outputs.
+
+    python -m sglang_dart.train --target DIR --data data.jsonl --out DRAFT_DIR
+        [--draft-length 7] [--draft-vocab-size 8192] [--max-steps 2000] [--max-minutes M] ...
+
+`data.jsonl` holds one {"input_ids": [...]} (or {"text": ...}) per line; `python -m
+sglang_dart.train.generate` makes one by letting the target answer synthetic chat prompts. The result is a
+checkpoint in the published layout for `--speculative-draft-model-path`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
+from sglang_dart.train.features import collect_features, load_target
+from sglang_dart.train.trainer import TrainSettings, train
+from sglang_dart.train.vocab import most_frequent_vocab
+
+
+def read_sequences(path: Path, tokenizer, max_len: int) -> list[list[int]]:
+    sequences = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"{path}:{line_no}: not JSON ({exc})") from exc
+        if "input_ids" in row:
+            ids = [int(i) for i in row["input_ids"]]
+        elif "text" in row:
+            ids = tokenizer(row["text"])["input_ids"]
+        else:
+            raise SystemExit(f"{path}:{line_no}: needs 'input_ids' or 'text'")
+        sequences.append(ids[:max_len])
+    if not sequences:
+        raise SystemExit(f"{path} holds no sequences")
+    return sequences
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang_dart.train", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, type=Path, help="target model directory (HF layout)")
+    p.add_argument("--data", required=True, type=Path, help=".jsonl of input_ids or text")
+    p.add_argument("--out", required=True, type=Path, help="draft checkpoint directory to write")
+    p.add_argument("--draft-length", type=int, default=7, help="mask slots d (tree depth d + 1)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
+    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    p.add_argument("--anchors", type=int, default=64, help="anchor blocks per sequence")
+    p.add_argument("--sequences-per-step", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--row-decay", type=float, default=0.8, help="loss weight gamma^row")
+    p.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    sequences = read_sequences(args.data, tokenizer, args.max_len)
+    target = load_target(args.target)
+    started = time.monotonic()
+    feats = collect_features(target, sequences)
+    print(f"features of {len(feats)} sequences in {time.monotonic() - started:.0f}s", flush=True)
+    target_config = target.config.to_dict()
+    vocab_size = target.config.vocab_size
+    vocab = most_frequent_vocab([f.labels for f in feats], vocab_size, args.draft_vocab_size)
+    config = draft_config_dict(target_config, args.draft_length, vocab.size)
+    embed = target.get_input_embeddings().weight.detach()
+    lm_head = target.get_output_embeddings().weight.detach()
+    model = new_drafter(config, embed, lm_head, vocab, seed=args.seed)
+    del target
+    settings = TrainSettings(
+        anchors_per_sequence=args.anchors,
+        sequences_per_step=args.sequences_per_step,
+        learning_rate=args.lr,
+        max_steps=args.max_steps,
+        max_seconds=args.max_minutes * 60 if args.max_minutes else float("inf"),
+        row_decay=args.row_decay,
+        bf16_autocast=not args.no_bf16,
+        seed=args.seed,
+    )
+    losses = train(model, feats, vocab, settings, log=lambda s: print(s, flush=True))
+    save_drafter(model, config, vocab, args.out)
+    print(f"trained {len(losses)} steps; final loss {losses[-1]:.3f}; saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""What the drafter learns from: the target's taps and its greedy choice at every position.
+
+The taps are the hidden states entering target layers 2, L//2 and L-3 (what SGLang's EAGLE3 capture hands
+the drafter at serving time; `hidden_states[i]` in HF is the input of layer i). The label at position q is
+the target's argmax there, i.e. the token greedy verification accepts after position q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def tap_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+@dataclass
+class SequenceFeatures:
+    input_ids: torch.Tensor  # [T]
+    taps: torch.Tensor  # [T, 3·H]
+    labels: torch.Tensor  # [T] target argmax at each position (predicts the token after it)
+
+
+def load_target(target_dir: Path | str, dtype: torch.dtype | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=dtype or "auto")
+    return model.eval()
+
+
+@torch.inference_mode()
+def sequence_features(target, input_ids: list[int]) -> SequenceFeatures:
+    ids = torch.tensor([input_ids], dtype=torch.long)
+    out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
+    layers = tap_layers(target.config.num_hidden_layers)
+    taps = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+    return SequenceFeatures(ids[0], taps.to(torch.bfloat16), out.logits[0].argmax(-1))
+
+
+def collect_features(target, sequences: list[list[int]], progress: bool = True) -> list[SequenceFeatures]:
+    feats = []
+    for i, ids in enumerate(sequences):
+        feats.append(sequence_features(target, ids))
+        if progress and (i + 1) % 50 == 0:
+            print(f"features: {i + 1}/{len(sequences)} sequences", flush=True)
+    return feats

@@ -1,0 +1,92 @@
+"""Regenerate training conversations with the target itself (greedy), through a real SGLang server.
+
+    python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts 380]
+        [--max-new-tokens 256] [--concurrency 16] [--exclude-file PROMPTS.txt]
+
+Each output line is {"prompt": str, "input_ids": [...], "prompt_len": int, "text": str}: the chat-templated
+prompt followed by the target's greedy answer. A drafter trained on the target's own outputs learns what
+the verifier will accept; `text` feeds `python -m sglang_dart.ngram build` for the 3-gram store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from sglang_dart.train.prompts import training_prompts
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def generate(
+    target: Path, prompts: list[str], max_new_tokens: int, concurrency: int, log_dir: Path
+) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from sglang_dart.cpu.detect import has_accelerator
+    from sglang_dart.server_process import SglangServer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    server = SglangServer(
+        target,
+        ["--max-running-requests", str(concurrency)],
+        log_dir / "generate-server.log",
+        device_args=[] if has_accelerator() else None,
+    )
+    server.start()
+    try:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+
+        def one(prompt: str) -> dict:
+            ids = chat_prompt_ids(tokenizer, prompt)
+            out = server.generate({"input_ids": ids, "sampling_params": params}, timeout=3600)
+            full = ids + [int(t) for t in out["output_ids"]]
+            return {
+                "prompt": prompt,
+                "input_ids": full,
+                "prompt_len": len(ids),
+                "text": tokenizer.decode(full),
+            }
+
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(one, prompts))
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_dart.train.generate", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--target", required=True, type=Path, help="target model directory (HF layout)")
+    p.add_argument("--out", required=True, type=Path, help="output .jsonl")
+    p.add_argument("--num-prompts", type=int, default=380)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exclude-file", type=Path, default=None, help="prompts (one per line) to keep out")
+    args = p.parse_args(argv)
+    exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
+    prompts = training_prompts(args.num_prompts, seed=args.seed, exclude=exclude)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = generate(args.target, prompts, args.max_new_tokens, args.concurrency, Path(tmp))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tokens = sum(len(r["input_ids"]) - r["prompt_len"] for r in rows)
+    print(f"wrote {len(rows)} conversations ({tokens} generated tokens) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The training loop: anchor blocks sampled from the target's own sequences, cross-entropy of every draft
+row against the target's greedy choice, rows weighted by gamma^row (deeper rows matter less: a node at
+depth j is only reached if every row before it was accepted)."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sglang_dart.drafter.model import DartDrafter
+from sglang_dart.train.blocks import block_logits
+from sglang_dart.train.features import SequenceFeatures
+from sglang_dart.train.vocab import DraftVocab
+
+
+@dataclass
+class TrainSettings:
+    anchors_per_sequence: int = 64
+    sequences_per_step: int = 4
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    max_steps: int = 2000
+    max_seconds: float = math.inf
+    row_decay: float = 0.8  # gamma
+    grad_clip: float = 1.0
+    bf16_autocast: bool = True
+    seed: int = 0
+    log_every: int = 25
+
+
+@dataclass
+class RowStats:
+    """Top-1 agreement with the target per draft row (row 0 = the next token after the root)."""
+
+    correct: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+
+    def add(self, row: int, correct: int, total: int) -> None:
+        while len(self.correct) <= row:
+            self.correct.append(0.0)
+            self.total.append(0.0)
+        self.correct[row] += correct
+        self.total[row] += total
+
+    def accuracy(self) -> list[float]:
+        return [c / t if t else 0.0 for c, t in zip(self.correct, self.total, strict=True)]
+
+
+@dataclass
+class SequenceLoss:
+    loss: torch.Tensor
+    stats: RowStats
+
+
+def sequence_loss(
+    model: DartDrafter, feats: SequenceFeatures, vocab: DraftVocab, anchors: torch.Tensor, row_decay: float
+) -> SequenceLoss:
+    """Real position t (t < T-1) carries (taps_t, x_{t+1}); row i of the anchor at p is supervised by the
+    target's argmax at position p+1+i."""
+    d = model.cfg.draft_length
+    num_real = feats.input_ids.shape[0] - 1
+    taps = feats.taps[:num_real].to(model.fc.weight.dtype)
+    out = block_logits(model, taps, feats.input_ids[1:], anchors)
+    labels = vocab.to_draft(feats.labels)  # draft ids, -100 outside the draft vocabulary
+    stats = RowStats()
+    weighted, weights = [], []
+    row0_labels = labels[1 : num_real + 1]
+    rows = [(out.real, row0_labels)]
+    label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1)  # [A, d]
+    valid = label_index < labels.shape[0]
+    mask_labels = torch.where(valid, labels[label_index.clamp(max=labels.shape[0] - 1)], -100)
+    rows += [(out.masks[:, j], mask_labels[:, j]) for j in range(d)]
+    for row, (logits, target) in enumerate(rows):
+        keep = target >= 0
+        if not bool(keep.any()):
+            continue
+        logits, target = logits[keep].float(), target[keep]
+        weighted.append(nn.functional.cross_entropy(logits, target) * row_decay**row)
+        weights.append(row_decay**row)
+        stats.add(row, int((logits.argmax(-1) == target).sum()), int(target.shape[0]))
+    return SequenceLoss(torch.stack(weighted).sum() / sum(weights), stats)
+
+
+def sample_anchors(num_real: int, count: int, rng: random.Random) -> torch.Tensor:
+    count = min(count, num_real)
+    return torch.tensor(sorted(rng.sample(range(num_real), count)), dtype=torch.long)
+
+
+def train(
+    model: DartDrafter,
+    data: list[SequenceFeatures],
+    vocab: DraftVocab,
+    settings: TrainSettings,
+    log=print,
+) -> list[float]:
+    """Train in place; returns the loss of every step."""
+    rng = random.Random(settings.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
+
+    def lr_factor(step: int) -> float:
+        if step < settings.warmup_steps:
+            return (step + 1) / settings.warmup_steps
+        progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    usable = [f for f in data if f.input_ids.shape[0] >= 3]
+    order: list[int] = []
+    losses: list[float] = []
+    window = RowStats()
+    start = time.monotonic()
+    model.train()
+    for step in range(settings.max_steps):
+        if time.monotonic() - start > settings.max_seconds:
+            log(f"time budget reached after {step} steps")
+            break
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for _ in range(settings.sequences_per_step):
+            if not order:
+                order = list(range(len(usable)))
+                rng.shuffle(order)
+            feats = usable[order.pop()]
+            anchors = sample_anchors(feats.input_ids.shape[0] - 1, settings.anchors_per_sequence, rng)
+            autocast = (
+                torch.autocast("cpu", dtype=torch.bfloat16)
+                if settings.bf16_autocast and feats.taps.device.type == "cpu"
+                else nullcontext()
+            )
+            with autocast:
+                result = sequence_loss(model, feats, vocab, anchors, settings.row_decay)
+            (result.loss / settings.sequences_per_step).backward()
+            step_loss += float(result.loss.detach()) / settings.sequences_per_step
+            for row, (c, t) in enumerate(zip(result.stats.correct, result.stats.total, strict=True)):
+                window.add(row, int(c), int(t))
+        nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        losses.append(step_loss)
+        if settings.log_every and (step + 1) % settings.log_every == 0:
+            acc = " ".join(f"{a:.2f}" for a in window.accuracy())
+            log(
+                f"step {step + 1} loss {sum(losses[-settings.log_every :]) / settings.log_every:.3f} "
+                f"top-1 by row [{acc}] {time.monotonic() - start:.0f}s"
+            )
+            window = RowStats()
+    model.eval()
+    return losses

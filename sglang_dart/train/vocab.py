@@ -1,0 +1,40 @@
+"""The draft vocabulary: the target tokens the drafter may propose, and the `d2t` offsets that map a draft
+id back to a target id (target = draft + d2t[draft], the EAGLE3/SpecForge convention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    target_ids: torch.Tensor  # [Vd] ascending target ids
+    t2d: torch.Tensor  # [V] draft id of each target id, -1 where absent
+
+    @property
+    def size(self) -> int:
+        return int(self.target_ids.shape[0])
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        return self.target_ids - torch.arange(self.size)
+
+    def to_draft(self, target_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        draft = self.t2d[target_ids]
+        return torch.where(draft >= 0, draft, torch.full_like(draft, ignore_index))
+
+
+def most_frequent_vocab(labels: list[torch.Tensor], vocab_size: int, draft_vocab_size: int) -> DraftVocab:
+    """The `draft_vocab_size` most frequent label tokens (the whole vocabulary if it is not smaller)."""
+    if draft_vocab_size >= vocab_size:
+        ids = torch.arange(vocab_size)
+    else:
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for lab in labels:
+            counts += torch.bincount(lab, minlength=vocab_size)
+        ids = torch.sort(torch.topk(counts, draft_vocab_size, sorted=False).indices).values
+    t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
+    t2d[ids] = torch.arange(ids.shape[0])
+    return DraftVocab(ids, t2d)

@@ -1,0 +1,123 @@
+"""Drafter training: the block-masked training forward sees exactly what the serving forward sees (same
+logits for every anchor), training on a learnable target lowers the loss, and the checkpoint it writes
+loads through the serving loader with the same logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sglang_dart.drafter import load_drafter
+from sglang_dart.train.blocks import block_attention_mask, block_logits
+from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
+from sglang_dart.train.features import SequenceFeatures
+from sglang_dart.train.trainer import TrainSettings, sequence_loss, train
+from sglang_dart.train.vocab import most_frequent_vocab
+
+TARGET = {
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 48,
+    "vocab_size": 50,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+D = 3
+
+
+def _drafter(vocab_size: int = 50, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.randn(TARGET["vocab_size"], 32, generator=gen)
+    lm_head = torch.randn(TARGET["vocab_size"], 32, generator=gen)
+    labels = [torch.randint(0, 50, (400,), generator=gen)]
+    vocab = most_frequent_vocab(labels, TARGET["vocab_size"], vocab_size)
+    config = draft_config_dict(TARGET, D, vocab.size)
+    model = new_drafter(config, embed, lm_head, vocab, seed=seed)
+    with torch.no_grad():  # non-trivial norms so that every piece of the layer matters
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model, config, vocab
+
+
+def test_block_mask_shape_and_visibility():
+    allowed = block_attention_mask(4, torch.tensor([1, 3]), 2)
+    assert allowed.shape == (8, 8)
+    # slot 2 of the anchor at 1 (row 5) sees real 0..1, and slots 1..2 of its own block only
+    assert allowed[5].tolist() == [True, True, False, False, True, True, False, False]
+    # real rows never see mask slots
+    assert not allowed[:4, 4:].any()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_training_forward_equals_serving_forward(seed):
+    model, _, _ = _drafter(vocab_size=30, seed=seed)
+    n = 11
+    gen = torch.Generator().manual_seed(100 + seed)
+    taps = torch.randn(n, 96, generator=gen)
+    next_tokens = torch.randint(0, 50, (n,), generator=gen)
+    anchors = torch.tensor([0, 4, 5, 10])
+    with torch.no_grad():
+        out = block_logits(model, taps, next_tokens, anchors)
+        for a, p in enumerate(anchors.tolist()):
+            serving = model(taps[: p + 1], next_tokens[: p + 1], start_pos=0).logits
+            torch.testing.assert_close(out.real[p], serving[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out.masks[a], serving[1:], rtol=1e-4, atol=1e-4)
+
+
+def _copy_task(count: int, length: int, seed: int) -> list[SequenceFeatures]:
+    """A target whose next token is a fixed function of the current one, exposed in the taps: a drafter
+    can learn every row of it, so the loss must fall."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(50, 96, generator=gen)
+    successor = torch.randperm(50, generator=gen)
+    feats = []
+    for _ in range(count):
+        ids = [int(torch.randint(0, 50, (1,), generator=gen))]
+        for _ in range(length - 1):
+            ids.append(int(successor[ids[-1]]))
+        ids_t = torch.tensor(ids)
+        feats.append(SequenceFeatures(ids_t, table[ids_t].to(torch.bfloat16), successor[ids_t]))
+    return feats
+
+
+def test_training_lowers_the_loss_and_checkpoint_round_trips(tmp_path):
+    model, config, vocab = _drafter()
+    data = _copy_task(count=16, length=24, seed=3)
+    anchors = torch.tensor([2, 7, 12])
+    with torch.no_grad():
+        before = float(sequence_loss(model, data[0], vocab, anchors, 0.8).loss)
+    settings = TrainSettings(
+        anchors_per_sequence=8,
+        sequences_per_step=2,
+        max_steps=120,
+        warmup_steps=10,
+        learning_rate=3e-3,
+        bf16_autocast=False,
+        log_every=0,
+    )
+    losses = train(model, data, vocab, settings, log=lambda _: None)
+    with torch.no_grad():
+        after = sequence_loss(model, data[0], vocab, anchors, 0.8)
+    assert float(after.loss) < 0.3 * before, (before, float(after.loss), losses[-5:])
+    assert after.stats.accuracy()[0] > 0.9
+
+    out = save_drafter(model, config, vocab, tmp_path / "draft")
+    assert json.loads((out / "config.json").read_text())["draft_length"] == D
+    loaded = load_drafter(out, model.embed_tokens, 32, 50, dtype=torch.float32)
+    taps, nxt = data[1].taps[:10].float(), data[1].input_ids[1:11]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(taps, nxt, 0).logits, model(taps, nxt, 0).logits)
+    assert torch.equal(loaded.draft_to_target(torch.arange(vocab.size)), vocab.target_ids)
+
+
+def test_draft_vocab_keeps_most_frequent_labels():
+    labels = [torch.tensor([5] * 10 + [7] * 5 + [1] * 2 + [3])]
+    vocab = most_frequent_vocab(labels, 10, 3)
+    assert vocab.target_ids.tolist() == [1, 5, 7]
+    assert vocab.to_draft(torch.tensor([5, 3, 1])).tolist() == [1, -100, 0]
+    assert (vocab.d2t + torch.arange(3)).tolist() == [1, 5, 7]
