@@ -3,11 +3,13 @@ really get accepted, and clear start-up errors for what DART cannot run with."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import requests
 
 from sglang_dart.server_process import SglangServer, free_port, run_launcher
 from tests.support.dart_assets import build_random_drafter, build_store_for, build_store_from_ids
@@ -159,22 +161,59 @@ def test_streaming_load_with_random_aborts(qwen3_dart, qwen3_plain):
     assert "leak" not in qwen3_dart.log_text().lower()
 
 
-def test_smollm2_greedy_equals_plain(smollm2_f32_dir, smollm2_server, tmp_path, server_logs):
+SMOL_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2_chat_ids(smollm2_f32_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from tests.support.prompts import ALL_PROMPTS, chat_ids
+    from tests.support.prompts import chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
-    draft = build_random_drafter(tmp_path / "draft", smollm2_f32_dir)
-    store = build_store_for(smollm2_f32_dir, tmp_path / "smol.store")
+    return [chat_ids(tokenizer, p) for p in many_prompts(50)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_server, smollm2_chat_ids) -> list[list[int]]:
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(lambda x: smollm2_server.greedy_ids(x, SMOL_TOKENS), smollm2_chat_ids))
+
+
+@pytest.fixture(scope="module")
+def smollm2_dart(smollm2_f32_dir, tmp_path_factory, server_logs) -> Iterator[SglangServer]:
+    root = tmp_path_factory.mktemp("dart-smollm2")
+    draft = build_random_drafter(root / "draft", smollm2_f32_dir)
+    store = build_store_for(smollm2_f32_dir, root / "smol.store")
     server = SglangServer(smollm2_f32_dir, _dart_args(draft, store), server_logs / "smollm2-dart.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("concurrency", [1, 4, 16])
+def test_smollm2_greedy_equals_plain(smollm2_dart, smollm2_chat_ids, smollm2_reference, concurrency):
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        spec = list(pool.map(lambda x: smollm2_dart.greedy_ids(x, SMOL_TOKENS), smollm2_chat_ids))
+    for i, (got, want) in enumerate(zip(spec, smollm2_reference, strict=True)):
+        assert got == want, f"prompt {i}"
+    assert smollm2_dart.healthy()
+
+
+def test_retracted_requests_resume_losslessly(
+    tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs, monkeypatch
+):
+    """SGLang's test switch retracts running requests every few steps; they come back through prefill and
+    must rebuild their draft state from the slots SGLang re-assigns."""
+    monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
+    server = SglangServer(
+        tiny_qwen3_dir, [*_dart_args(*qwen3_assets), *SEED], server_logs / "qwen3-dart-retract.log"
+    ).start()
     try:
-        ids = [chat_ids(tokenizer, p) for p in ALL_PROMPTS]
-        payload = lambda x: {"input_ids": x, "sampling_params": {"max_new_tokens": 32, "temperature": 0.0}}  # noqa: E731
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            spec = list(pool.map(lambda x: server.generate(payload(x))["output_ids"], ids))
-        plain = [smollm2_server.greedy_ids(x, 32) for x in ids]
-        assert spec == plain
+        prompts = many_prompts(12)
+        spec = [o["output_ids"] for o in _run_all(server, prompts, 12, n=40)]
+        assert spec == [o["output_ids"] for o in _run_all(qwen3_plain, prompts, 12, n=40)]
+        assert re.search(r"retraction\. #retracted_reqs: [1-9]", server.log_text())
+        assert server.healthy()
     finally:
         server.stop()
 
@@ -196,10 +235,13 @@ def test_drafts_are_accepted_when_the_store_knows_the_target(
     draft = build_random_drafter(tmp_path / "draft", tiny_qwen3_dir, dart_ngram_at_level0=True)
     vocab = len(tokenizer)
     server = SglangServer(
-        tiny_qwen3_dir, _dart_args(draft, store, tokens=8, topk=vocab), server_logs / "qwen3-tau.log"
+        tiny_qwen3_dir,
+        [*_dart_args(draft, store, tokens=8, topk=vocab), "--enable-metrics"],
+        server_logs / "qwen3-tau.log",
     ).start()
     try:
         speculative = _run_all(server, prompts, 4, n=48)
+        metrics = requests.get(f"{server.url}/metrics", timeout=30).text
     finally:
         server.stop()
     for spec, ref in zip(speculative, outputs, strict=True):
@@ -207,6 +249,22 @@ def test_drafts_are_accepted_when_the_store_knows_the_target(
     emitted = sum(len(o["output_ids"]) for o in speculative)
     steps = sum(o["meta_info"]["spec_verify_ct"] for o in speculative)
     assert emitted / steps > 1.5, f"mean accepted length {emitted / steps:.2f}"
+    _check_observability(speculative, metrics, server.log_text())
+
+
+def _check_observability(outputs: list[dict], metrics: str, log: str) -> None:
+    """τ and the drafted/accepted counts reach meta_info, /metrics and the decode log line, and agree
+    with what was emitted."""
+    for out in outputs:
+        meta = out["meta_info"]
+        emitted, steps = len(out["output_ids"]), meta["spec_verify_ct"]
+        assert meta["spec_accept_length"] == pytest.approx(emitted / steps)
+        # every step emits its accepted drafts plus one token of the target's own
+        assert meta["spec_num_correct_drafts"] == emitted - steps
+        assert meta["spec_num_proposed_drafts"] == steps * 7  # N - 1 tree nodes per step
+    gauge = [line for line in metrics.splitlines() if line.startswith("sglang:spec_accept_length")]
+    assert gauge and float(gauge[0].rsplit(" ", 1)[1]) > 1.0, gauge
+    assert "accept len:" in log
 
 
 def _launch_dart(model: Path, draft: Path | None, store: Path | None, extra: list[str] = ()) -> str:
