@@ -32,6 +32,9 @@ def sample_tree_nodes(sampling_info: Any, logits: torch.Tensor, nodes: int) -> t
     bias = _per_node(sampling_info.logit_bias, nodes)
     if bias is not None:
         logits += bias
+    # A node a grammar rules out entirely (under a disallowed ancestor) is never reached; give it finite
+    # logits so that its (unused) draw cannot fail on an all -inf row.
+    logits[~torch.isfinite(logits).any(dim=-1)] = 0.0
     greedy = _per_node(sampling_info.top_ks, nodes).view(-1) <= 1
     probs = torch.softmax(logits / _per_node(sampling_info.temperatures, nodes).view(-1, 1), dim=-1)
     drawn = top_k_top_p_min_p_sampling_from_probs_torch(

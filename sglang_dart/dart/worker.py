@@ -23,10 +23,15 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
-from sglang.srt.speculative.ngram_worker import NGRAMWorker
-from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+from sglang.srt.speculative.ngram_worker import NGRAMWorker, _derive_tree_links
+from sglang.srt.speculative.spec_utils import (
+    GrammarTree,
+    build_grammar_vocab_mask,
+    move_accept_tokens_to_target_kvcache,
+)
 
 from sglang_dart.dart.draft_runner import DraftRunner
+from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.sampling import pin_logits_to_samples
 from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config
 from sglang_dart.drafter import load_drafter
@@ -50,6 +55,7 @@ class DartWorker(NGRAMWorker):
         BaseSpecWorker.__init__(self)  # not NGRAMWorker's: DART has no suffix corpus
         self.server_args = server_args
         self.enable_overlap = False
+        self.timer = PhaseTimer()  # SGLANG_DART_PROFILE=1: per-phase step times in the log
         self._target_worker = target_worker
         self.model_runner = target_worker.model_runner
         self.tp_rank = ps.tp_rank
@@ -124,6 +130,23 @@ class DartWorker(NGRAMWorker):
         root = _last_tokens(req, 1)[0]
         return np.full(n, root, dtype=np.int64), np.tril(np.ones((n, n), dtype=bool))
 
+    def _grammar_mask(self, batch: Any) -> Any:
+        """Per-node vocabulary mask of grammar-constrained requests, walked over this step's trees (set
+        up by NGRAMWorker's preparation, which stages the host trees when the batch has a grammar)."""
+        if not batch.has_grammar or self.grammar_tree_host is None:
+            return None
+        mask, req_drafts = self.grammar_tree_host
+        bs = len(batch.reqs)
+        next_token, next_sibling = _derive_tree_links(mask, bs, self.draft_token_num)
+        drafts = torch.from_numpy(req_drafts).to(torch.int64).view(bs, -1)
+        return build_grammar_vocab_mask(
+            reqs=batch.reqs,
+            tree=GrammarTree.from_host(next_token, next_sibling, drafts),
+            sampling_info=batch.sampling_info,
+            device=batch.seq_lens.device,
+            barrier=None,
+        )
+
     def _prepare_for_speculative_decoding(self, batch: Any) -> None:
         super()._prepare_for_speculative_decoding(batch)
         if batch.forward_mode.is_target_verify():
@@ -132,19 +155,22 @@ class DartWorker(NGRAMWorker):
     def _build_trees(
         self, batch: Any, logits: torch.Tensor, roots: list[int], contexts: list[list[int]]
     ) -> None:
-        top = torch.topk(logits.float(), self.candidates, dim=-1)
-        probs = torch.softmax(top.values, dim=-1)  # the softmax over the top-k, as the reference
-        tokens = self.drafter.draft_to_target(top.indices)
-        trees = prune_batch(
-            tokens.cpu().numpy(),
-            probs.cpu().numpy(),
-            np.asarray(roots, dtype=np.int64),
-            np.asarray(contexts, dtype=np.int64),
-            self.eos_ids,
-            config=self.pruner_config,
-            store=self.store,
-            vocab_size=self.model_runner.model_config.vocab_size,
-        )
+        with self.timer.phase("topk"):
+            top = torch.topk(logits.float(), self.candidates, dim=-1)
+            probs = torch.softmax(top.values, dim=-1)  # the softmax over the top-k, as the reference
+            tokens = self.drafter.draft_to_target(top.indices).cpu().numpy()
+            probs = probs.cpu().numpy()
+        with self.timer.phase("prune"):
+            trees = prune_batch(
+                tokens,
+                probs,
+                np.asarray(roots, dtype=np.int64),
+                np.asarray(contexts, dtype=np.int64),
+                self.eos_ids,
+                config=self.pruner_config,
+                store=self.store,
+                vocab_size=self.model_runner.model_config.vocab_size,
+            )
         for i, req in enumerate(batch.reqs):
             self._trees[req.rid] = (trees.tokens[i], trees.tree_mask[i])
 
@@ -168,8 +194,9 @@ class DartWorker(NGRAMWorker):
             contexts.append(([-1, -1] + tail)[-3:-1])
         # The taps rows are the extend tokens of every request, in batch order: one fused write for all.
         slot_rows = torch.cat(slots).to(torch.int64)
-        runner.store_residuals(slot_rows, taps[: slot_rows.numel()])
-        logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
+        with self.timer.phase("draft"):
+            runner.store_residuals(slot_rows, taps[: slot_rows.numel()])
+            logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
         self._build_trees(batch, logits, roots, contexts)
 
     def _draft_after_verify(
@@ -199,28 +226,45 @@ class DartWorker(NGRAMWorker):
             roots.append(bonus)
             history = _last_tokens(req, 2)
             contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
-        runner.store_residuals(torch.cat(slots).to(torch.int64), taps[torch.cat(paths)])  # one fused write
-        logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
+        with self.timer.phase("draft"):
+            runner.store_residuals(torch.cat(slots).to(torch.int64), taps[torch.cat(paths)])  # one write
+            logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
         self._build_trees(batch, logits, roots, contexts)
 
     # --- one scheduler step ----------------------------------------------------------------------------
 
     def forward_batch_generation(self, batch: Any, on_publish: Any = None) -> GenerationBatchResult:
         bs = len(batch.reqs)
-        self._prepare_for_speculative_decoding(batch)
+        with self.timer.phase("prepare"):
+            self._prepare_for_speculative_decoding(batch)
         if batch.forward_mode.is_target_verify():
-            result = self.target_worker.forward_batch_generation(batch, is_verify=True)
+            with self.timer.phase("verify"):
+                result = self.target_worker.forward_batch_generation(batch, is_verify=True)
             logits_output = result.logits_output
             verify_input = batch.spec_info
             taps = logits_output.hidden_states
-            pin_logits_to_samples(batch.sampling_info, logits_output.next_token_logits, self.draft_token_num)
-            predict, accept_lens, accept_index = eagle_sample(verify_input, batch, logits_output, None)
-            new_seq_lens = batch.seq_lens + accept_lens
-            accept_tokens = predict[accept_index].flatten()
-            move_accept_tokens_to_target_kvcache(
-                batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator
-            )
+            with self.timer.phase("accept"):
+                # Logprobs must describe the target's distribution, not the one-hot pinned rows.
+                unpinned = (
+                    logits_output.next_token_logits.clone()
+                    if batch.return_logprob and not batch.sampling_info.is_all_greedy
+                    else None
+                )
+                grammar_mask = self._grammar_mask(batch)
+                if grammar_mask is not None:  # before sampling: draws come from the constrained target
+                    grammar_mask.apply(logits_output.next_token_logits)
+                pin_logits_to_samples(
+                    batch.sampling_info, logits_output.next_token_logits, self.draft_token_num
+                )
+                predict, accept_lens, accept_index = eagle_sample(verify_input, batch, logits_output, None)
+                new_seq_lens = batch.seq_lens + accept_lens
+                accept_tokens = predict[accept_index].flatten()
+                move_accept_tokens_to_target_kvcache(
+                    batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator
+                )
             if batch.return_logprob:
+                if unpinned is not None:
+                    logits_output.next_token_logits = unpinned
                 compute_spec_v2_logprobs(
                     batch, logits_output, predict, accept_index, self.draft_token_num - 1
                 )
@@ -230,6 +274,7 @@ class DartWorker(NGRAMWorker):
             self._forget_departed(batch)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
+            self.timer.step_done(bs)
         else:
             result = self.target_worker.forward_batch_generation(
                 batch, capture_hidden_mode=CaptureHiddenMode.FULL

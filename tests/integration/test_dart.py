@@ -122,6 +122,49 @@ def test_sampling_keeps_the_target_distribution(qwen3_plain, qwen3_dart):
         assert p_value > 1e-3, f"position {pos}: p = {p_value:.2e}, tables {merged}"
 
 
+def test_sampled_logprobs_are_the_targets(tiny_qwen3_dir, qwen3_plain, qwen3_dart):
+    """Sampled tokens come out of tree verification, but their returned logprobs must still be the
+    target's log-probabilities of those tokens (here checked by scoring the output with the plain server)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    for i, prompt in enumerate(many_prompts(4)):
+        params = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": i}
+        out = qwen3_dart.generate({"text": prompt, "sampling_params": params, "return_logprob": True})
+        assert out["meta_info"]["spec_verify_ct"] > 0
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        scored = qwen3_plain.generate(
+            {
+                "input_ids": prompt_ids + out["output_ids"],
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True,
+                "logprob_start_len": len(prompt_ids),
+            }
+        )["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in scored] == out["output_ids"]
+        want = [lp for lp, _, _ in scored]
+        assert got == pytest.approx(want, abs=1e-3), prompt
+
+
+def test_grammar_constrained_requests(qwen3_plain, qwen3_dart):
+    """Regex-constrained requests: the grammar mask is applied to every tree node before acceptance, so
+    greedy output equals the plain server's and sampled output always matches the pattern."""
+    pattern = r"(yes|no|maybe), [a-z]{2,6}( [a-z]{2,6}){0,3}\."
+    for prompt in many_prompts(6):
+        greedy = {"max_new_tokens": 64, "temperature": 0.0, "regex": pattern}
+        spec = qwen3_dart.generate({"text": prompt, "sampling_params": greedy})
+        assert (
+            spec["output_ids"]
+            == qwen3_plain.generate({"text": prompt, "sampling_params": greedy})["output_ids"]
+        )
+        assert spec["meta_info"]["spec_verify_ct"] > 0
+        sampled = {**greedy, "temperature": 1.0}
+        for seed in range(3):
+            out = qwen3_dart.generate({"text": prompt, "sampling_params": {**sampled, "sampling_seed": seed}})
+            assert re.fullmatch(pattern, out["text"]), out["text"]
+
+
 def test_streaming_load_with_random_aborts(qwen3_dart, qwen3_plain):
     """64 concurrent streaming requests, a third of them dropped mid-stream; then the server is healthy
     (SGLang's idle KV leak check would have killed the scheduler) and still lossless."""
