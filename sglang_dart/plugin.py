@@ -81,6 +81,12 @@ def register_dart() -> None:
 
 def register() -> None:
     register_dart()
+    from sglang_dart.cpu import detect
+
+    if detect.cpu_engine_active():
+        from sglang_dart.cpu.grammar import allow_grammar_without_cuda
+
+        allow_grammar_without_cuda()
     if cpu_stand_in_active():
         install_cpu_attention()
         patch_jit_cflags()

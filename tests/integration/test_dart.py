@@ -139,9 +139,9 @@ def test_sampled_logprobs_are_the_targets(tiny_qwen3_dir, qwen3_plain, qwen3_dar
                 "input_ids": prompt_ids + out["output_ids"],
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_logprob": True,
-                "logprob_start_len": len(prompt_ids),
+                "logprob_start_len": len(prompt_ids) - 1,  # the first scored token gets no logprob
             }
-        )["meta_info"]["input_token_logprobs"]
+        )["meta_info"]["input_token_logprobs"][1:]
         assert [t for _, t, _ in scored] == out["output_ids"]
         want = [lp for lp, _, _ in scored]
         assert got == pytest.approx(want, abs=1e-3), prompt
