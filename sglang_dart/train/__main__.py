@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from sglang_dart.drafter import load_drafter
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
 from sglang_dart.train.features import collect_features, load_target
 from sglang_dart.train.trainer import TrainSettings, train
-from sglang_dart.train.vocab import most_frequent_vocab
+from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
 
 
 def read_sequences(path: Path, tokenizer, max_len: int) -> list[list[int]]:
@@ -60,6 +61,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--row-decay", type=float, default=0.8, help="loss weight gamma^row")
     p.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", type=Path, default=None, help="draft checkpoint to continue training from")
     return p
 
 
@@ -76,11 +78,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"features of {len(feats)} sequences in {time.monotonic() - started:.0f}s", flush=True)
     target_config = target.config.to_dict()
     vocab_size = target.config.vocab_size
-    vocab = most_frequent_vocab([f.labels for f in feats], vocab_size, args.draft_vocab_size)
-    config = draft_config_dict(target_config, args.draft_length, vocab.size)
     embed = target.get_input_embeddings().weight.detach()
-    lm_head = target.get_output_embeddings().weight.detach()
-    model = new_drafter(config, embed, lm_head, vocab, seed=args.seed)
+    if args.init:  # continue training an existing drafter (its shape and vocabulary win)
+        model = load_drafter(args.init, embed, target.config.hidden_size, vocab_size, dtype=torch.float32)
+        model.train()
+        vocab = vocab_from_d2t(model.d2t, vocab_size)
+        config = json.loads((args.init / "config.json").read_text())
+    else:
+        vocab = most_frequent_vocab([f.labels for f in feats], vocab_size, args.draft_vocab_size)
+        config = draft_config_dict(target_config, args.draft_length, vocab.size)
+        lm_head = target.get_output_embeddings().weight.detach()
+        model = new_drafter(config, embed, lm_head, vocab, seed=args.seed)
     del target
     settings = TrainSettings(
         anchors_per_sequence=args.anchors,

@@ -104,13 +104,14 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
 
-    def lr_factor(step: int) -> float:
+    def lr_factor(step: int, elapsed: float) -> float:
+        """Linear warm-up, then cosine decay to 10% over whichever budget (steps or time) runs out first."""
         if step < settings.warmup_steps:
             return (step + 1) / settings.warmup_steps
         progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
+        progress = max(progress, elapsed / settings.max_seconds)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     usable = [f for f in data if f.input_ids.shape[0] >= 3]
     order: list[int] = []
     losses: list[float] = []
@@ -121,6 +122,8 @@ def train(
         if time.monotonic() - start > settings.max_seconds:
             log(f"time budget reached after {step} steps")
             break
+        for group in optimizer.param_groups:
+            group["lr"] = settings.learning_rate * lr_factor(step, time.monotonic() - start)
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         for _ in range(settings.sequences_per_step):
@@ -142,7 +145,6 @@ def train(
                 window.add(row, int(c), int(t))
         nn.utils.clip_grad_norm_(params, settings.grad_clip)
         optimizer.step()
-        scheduler.step()
         losses.append(step_loss)
         if settings.log_every and (step + 1) % settings.log_every == 0:
             acc = " ".join(f"{a:.2f}" for a in window.accuracy())

@@ -38,3 +38,11 @@ def most_frequent_vocab(labels: list[torch.Tensor], vocab_size: int, draft_vocab
     t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
     t2d[ids] = torch.arange(ids.shape[0])
     return DraftVocab(ids, t2d)
+
+
+def vocab_from_d2t(d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
+    """The draft vocabulary of an existing checkpoint."""
+    ids = torch.arange(d2t.shape[0]) + d2t.to(torch.int64)
+    t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
+    t2d[ids] = torch.arange(ids.shape[0])
+    return DraftVocab(ids, t2d)
