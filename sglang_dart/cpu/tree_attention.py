@@ -25,6 +25,8 @@ class AttentionPlan:
     mask: torch.Tensor  # [bs, Q, P + Q] bool: query i of request r may attend to key j
     query_pos: torch.Tensor  # [bs, Q] absolute position of each query token
     key_pos: torch.Tensor  # [bs, P + Q] absolute position of each key
+    sdpa_mask: torch.Tensor  # [bs, 1, Q, P + Q]: mask, with padding rows seeing key 0 (finite softmax)
+    dense: bool  # every request has Q queries: the flat rows are [bs, Q] as they are, no gather needed
 
     @property
     def num_rows(self) -> int:
@@ -34,7 +36,8 @@ class AttentionPlan:
         """The plan is built on the host; move it next to the activations (a no-op on CPU)."""
         if self.mask.device == device:
             return self
-        return AttentionPlan(*(getattr(self, f.name).to(device) for f in fields(self)))
+        moved = (getattr(self, f.name) for f in fields(self))
+        return AttentionPlan(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in moved))
 
 
 def _padded(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +98,14 @@ def make_plan(
 
     query_pos = prefix_lens.unsqueeze(1) + q_cols
     key_pos = torch.cat([p_cols, prefix_lens.unsqueeze(1) + q_cols], dim=1)
-    return AttentionPlan(prefix_loc, query_row, q_valid, mask, query_pos, key_pos)
+    dense = bool((query_lens == width_q).all())
+    return AttentionPlan(prefix_loc, query_row, q_valid, mask, query_pos, key_pos, _sdpa_mask(mask), dense)
+
+
+def _sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
+    # Padding rows see nothing; give them key 0 so the softmax stays finite (their output is dropped).
+    key0 = torch.arange(mask.shape[2], device=mask.device) == 0
+    return (mask | ~mask.any(dim=2, keepdim=True) & key0).unsqueeze(1)
 
 
 def attend(
@@ -111,19 +121,23 @@ def attend(
 ) -> torch.Tensor:
     """q: [T, H, D]; k_new/v_new: [T, Hkv, D/Dv] (the new tokens, in q's row order);
     k_cache/v_cache: [slots, Hkv, D/Dv]. Returns [T, H, Dv] in q's dtype."""
-    out = q.new_zeros((q.shape[0], q.shape[1], v_new.shape[-1]))
+    out_shape = (q.shape[0], q.shape[1], v_new.shape[-1])
     if plan.query_row.numel() == 0:
-        return out
+        return q.new_zeros(out_shape)
     plan = plan.to(q.device)
-    qp = q[plan.query_row].float().transpose(1, 2)  # [bs, H, Q, D]
-    kp = torch.cat([k_cache[plan.prefix_loc], k_new[plan.query_row]], dim=1).float().transpose(1, 2)
-    vp = torch.cat([v_cache[plan.prefix_loc], v_new[plan.query_row]], dim=1).float().transpose(1, 2)
-    mask = plan.mask
+    bs, width_q = plan.query_row.shape
+    dense = plan.dense and q.shape[0] == bs * width_q
+
+    def per_request(x: torch.Tensor) -> torch.Tensor:  # flat rows -> [bs, Q, heads, dim]
+        return x.view(bs, width_q, *x.shape[1:]) if dense else x[plan.query_row]
+
+    qp = per_request(q).float().transpose(1, 2)  # [bs, H, Q, D]
+    kp = torch.cat([k_cache[plan.prefix_loc], per_request(k_new)], dim=1).float().transpose(1, 2)
+    vp = torch.cat([v_cache[plan.prefix_loc], per_request(v_new)], dim=1).float().transpose(1, 2)
+    mask = plan.sdpa_mask
     if sliding_window is not None and sliding_window > -1:
-        mask = mask & (plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window)
-    # Padding rows see nothing; give them key 0 so the softmax stays finite (their output is dropped).
-    mask = mask | ~mask.any(dim=2, keepdim=True) & (torch.arange(mask.shape[2], device=mask.device) == 0)
-    mask = mask.unsqueeze(1)
+        window = plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window
+        mask = _sdpa_mask(plan.mask & window)
     if logit_cap and logit_cap > 0:
         group = qp.shape[1] // kp.shape[1]
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
@@ -136,5 +150,8 @@ def attend(
             qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=qp.shape[1] != kp.shape[1]
         )
     res = res.transpose(1, 2)  # [bs, Q, H, Dv]
+    if dense:
+        return res.reshape(out_shape).to(q.dtype)
+    out = q.new_zeros(out_shape)
     out[plan.query_row[plan.query_valid]] = res[plan.query_valid].to(out.dtype)
     return out
