@@ -1,7 +1,7 @@
 """Regenerate training conversations with the target itself (greedy), through a real SGLang server.
 
     python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts 380]
-        [--max-new-tokens 256] [--concurrency 16] [--exclude-file PROMPTS.txt]
+        [--max-new-tokens 256] [--concurrency 16] [--dtype auto] [--exclude-file PROMPTS.txt]
 
 Each output line is {"prompt": str, "input_ids": [...], "prompt_len": int, "text": str}: the chat-templated
 prompt followed by the target's greedy answer. A drafter trained on the target's own outputs learns what
@@ -29,7 +29,12 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def generate(
-    target: Path, prompts: list[str], max_new_tokens: int, concurrency: int, log_dir: Path
+    target: Path,
+    prompts: list[str],
+    max_new_tokens: int,
+    concurrency: int,
+    log_dir: Path,
+    dtype: str = "auto",
 ) -> list[dict]:
     from transformers import AutoTokenizer
 
@@ -39,7 +44,7 @@ def generate(
     tokenizer = AutoTokenizer.from_pretrained(target)
     server = SglangServer(
         target,
-        ["--max-running-requests", str(concurrency)],
+        ["--max-running-requests", str(concurrency), "--dtype", dtype],
         log_dir / "generate-server.log",
         device_args=[] if has_accelerator() else None,
     )
@@ -74,12 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="target dtype, as the server that will use the drafter")
     p.add_argument("--exclude-file", type=Path, default=None, help="prompts (one per line) to keep out")
     args = p.parse_args(argv)
     exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
     prompts = training_prompts(args.num_prompts, seed=args.seed, exclude=exclude)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = generate(args.target, prompts, args.max_new_tokens, args.concurrency, Path(tmp))
+        rows = generate(args.target, prompts, args.max_new_tokens, args.concurrency, Path(tmp), args.dtype)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as f:
         for row in rows:

@@ -55,7 +55,7 @@ def test_generate_train_serve(tiny_qwen3_dir, tmp_path, server_logs):
     _run(
         "sglang_dart.train.generate",
         "--target", str(tiny_qwen3_dir), "--out", str(data),
-        "--num-prompts", "96", "--max-new-tokens", "48", "--concurrency", "16",
+        "--num-prompts", "96", "--max-new-tokens", "48", "--concurrency", "16", "--dtype", "float32",
     )  # fmt: skip
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     assert len(rows) == 96 and all(len(r["input_ids"]) > r["prompt_len"] for r in rows)
