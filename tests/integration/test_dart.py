@@ -302,8 +302,9 @@ def _check_observability(outputs: list[dict], metrics: str, log: str) -> None:
         meta = out["meta_info"]
         emitted, steps = len(out["output_ids"]), meta["spec_verify_ct"]
         assert meta["spec_accept_length"] == pytest.approx(emitted / steps)
-        # every step emits its accepted drafts plus one token of the target's own
-        assert meta["spec_num_correct_drafts"] == emitted - steps
+        # prefill emits one token, every verify step its accepted drafts plus one of the target's own (the
+        # last step may accept more than max_new_tokens lets out)
+        assert meta["spec_num_correct_drafts"] >= emitted - 1 - steps > 0
         assert meta["spec_num_proposed_drafts"] == steps * 7  # N - 1 tree nodes per step
     gauge = [line for line in metrics.splitlines() if line.startswith("sglang:spec_accept_length")]
     assert gauge and float(gauge[0].rsplit(" ", 1)[1]) > 1.0, gauge
