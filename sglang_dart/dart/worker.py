@@ -244,15 +244,15 @@ class DartWorker(NGRAMWorker):
             verify_input = batch.spec_info
             taps = logits_output.hidden_states
             with self.timer.phase("accept"):
+                grammar_mask = self._grammar_mask(batch)
+                if grammar_mask is not None:  # before sampling: draws come from the constrained target
+                    grammar_mask.apply(logits_output.next_token_logits)
                 # Logprobs must describe the target's distribution, not the one-hot pinned rows.
                 unpinned = (
                     logits_output.next_token_logits.clone()
                     if batch.return_logprob and not batch.sampling_info.is_all_greedy
                     else None
                 )
-                grammar_mask = self._grammar_mask(batch)
-                if grammar_mask is not None:  # before sampling: draws come from the constrained target
-                    grammar_mask.apply(logits_output.next_token_logits)
                 pin_logits_to_samples(
                     batch.sampling_info, logits_output.next_token_logits, self.draft_token_num
                 )
