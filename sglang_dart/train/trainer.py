@@ -84,6 +84,8 @@ def sequence_loss(
         weighted.append(nn.functional.cross_entropy(logits, target) * row_decay**row)
         weights.append(row_decay**row)
         stats.add(row, int((logits.argmax(-1) == target).sum()), int(target.shape[0]))
+    if not weighted:  # every label fell outside the draft vocabulary: nothing to learn here
+        return SequenceLoss(out.real.sum() * 0.0, stats)
     return SequenceLoss(torch.stack(weighted).sum() / sum(weights), stats)
 
 
@@ -113,6 +115,8 @@ def train(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     usable = [f for f in data if f.input_ids.shape[0] >= 3]
+    if not usable:
+        raise ValueError("no training sequence has the 3 tokens an anchor needs")
     order: list[int] = []
     losses: list[float] = []
     window = RowStats()

@@ -121,3 +121,16 @@ def test_draft_vocab_keeps_most_frequent_labels():
     assert vocab.target_ids.tolist() == [1, 5, 7]
     assert vocab.to_draft(torch.tensor([5, 3, 1])).tolist() == [1, -100, 0]
     assert (vocab.d2t + torch.arange(3)).tolist() == [1, 5, 7]
+
+
+def test_degenerate_data_fails_clearly_or_contributes_nothing():
+    model, _, vocab = _drafter(vocab_size=30)
+    short = SequenceFeatures(
+        torch.tensor([1, 2]), torch.zeros(2, 96, dtype=torch.bfloat16), torch.tensor([2, 3])
+    )
+    with pytest.raises(ValueError, match="3 tokens"):
+        train(model, [short], vocab, TrainSettings(max_steps=1, log_every=0), log=lambda _: None)
+    outside = int(torch.nonzero(vocab.t2d < 0)[0])  # a token the draft vocabulary does not have
+    feats = SequenceFeatures(torch.tensor([1, 2, 3, 4]), torch.zeros(4, 96), torch.full((4,), outside))
+    result = sequence_loss(model, feats, vocab, torch.tensor([0, 1]), 0.8)
+    assert float(result.loss.detach()) == 0.0 and result.stats.total == []
