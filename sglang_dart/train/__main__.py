@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     sequences = read_sequences(args.data, tokenizer, args.max_len)
     target = load_target(args.target)
+    largest = max(max(seq, default=0) for seq in sequences)
+    if largest >= target.config.vocab_size:
+        raise SystemExit(
+            f"{args.data} holds token id {largest}, outside the target's vocabulary "
+            f"({target.config.vocab_size}): was it tokenized for another model?"
+        )
     started = time.monotonic()
     feats = collect_features(target, sequences)
     print(f"features of {len(feats)} sequences in {time.monotonic() - started:.0f}s", flush=True)
