@@ -44,10 +44,8 @@ logger = logging.getLogger(__name__)
 def _last_tokens(req: Any, n: int) -> list[int]:
     """The last n tokens of prompt + output, without copying the whole sequence."""
     tail = list(req.output_ids[-n:])
-    return (
-        list(req.origin_input_ids[max(len(req.origin_input_ids) - (n - len(tail)), 0) :])[: n - len(tail)]
-        + tail
-    )
+    missing = n - len(tail)
+    return (list(req.origin_input_ids[-missing:]) if missing else []) + tail
 
 
 class DartWorker(NGRAMWorker):

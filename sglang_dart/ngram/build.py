@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 import sys
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from sglang_dart._core import NgramBuilder
+from sglang_dart.jsonl import iter_jsonl
 
 _JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -51,17 +51,10 @@ def iter_documents(path: Path) -> Iterator[str]:
     """JSONL files (.jsonl/.json/.ndjson): one document per line, its ``text`` field (like the reference).
     Any other file: the whole file is one plain-text document (UTF-8, undecodable bytes replaced)."""
     if path.suffix.lower() in _JSONL_SUFFIXES:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                text = obj.get("text") if isinstance(obj, dict) else None
-                if isinstance(text, str):
-                    yield text
+        for _, obj in iter_jsonl(path):
+            text = obj.get("text") if isinstance(obj, dict) else None
+            if isinstance(text, str):
+                yield text
     else:
         yield path.read_text(encoding="utf-8", errors="replace")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from sglang_dart.drafter import load_drafter
+from sglang_dart.jsonl import iter_jsonl
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
 from sglang_dart.train.features import collect_features, load_target
 from sglang_dart.train.trainer import TrainSettings, train
@@ -26,20 +27,17 @@ from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
 
 def read_sequences(path: Path, tokenizer, max_len: int) -> list[list[int]]:
     sequences = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"{path}:{line_no}: not JSON ({exc})") from exc
-        if "input_ids" in row:
-            ids = [int(i) for i in row["input_ids"]]
-        elif "text" in row:
-            ids = tokenizer(row["text"])["input_ids"]
-        else:
-            raise SystemExit(f"{path}:{line_no}: needs 'input_ids' or 'text'")
-        sequences.append(ids[:max_len])
+    try:
+        for line_no, row in iter_jsonl(path):
+            if isinstance(row, dict) and "input_ids" in row:
+                ids = [int(i) for i in row["input_ids"]]
+            elif isinstance(row, dict) and "text" in row:
+                ids = tokenizer(row["text"])["input_ids"]
+            else:
+                raise SystemExit(f"{path}:{line_no}: needs an object with 'input_ids' or 'text'")
+            sequences.append(ids[:max_len])
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     if not sequences:
         raise SystemExit(f"{path} holds no sequences")
     return sequences

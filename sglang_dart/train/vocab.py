@@ -13,6 +13,13 @@ class DraftVocab:
     target_ids: torch.Tensor  # [Vd] ascending target ids
     t2d: torch.Tensor  # [V] draft id of each target id, -1 where absent
 
+    @classmethod
+    def of(cls, target_ids: torch.Tensor, vocab_size: int) -> DraftVocab:
+        """The vocabulary of these (ascending) target ids."""
+        t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
+        t2d[target_ids] = torch.arange(target_ids.shape[0])
+        return cls(target_ids, t2d)
+
     @property
     def size(self) -> int:
         return int(self.target_ids.shape[0])
@@ -35,14 +42,9 @@ def most_frequent_vocab(labels: list[torch.Tensor], vocab_size: int, draft_vocab
         for lab in labels:
             counts += torch.bincount(lab, minlength=vocab_size)
         ids = torch.sort(torch.topk(counts, draft_vocab_size, sorted=False).indices).values
-    t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
-    t2d[ids] = torch.arange(ids.shape[0])
-    return DraftVocab(ids, t2d)
+    return DraftVocab.of(ids, vocab_size)
 
 
 def vocab_from_d2t(d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
     """The draft vocabulary of an existing checkpoint."""
-    ids = torch.arange(d2t.shape[0]) + d2t.to(torch.int64)
-    t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
-    t2d[ids] = torch.arange(ids.shape[0])
-    return DraftVocab(ids, t2d)
+    return DraftVocab.of(torch.arange(d2t.shape[0]) + d2t.to(torch.int64), vocab_size)
