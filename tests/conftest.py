@@ -14,6 +14,10 @@ from tests.support.tiny_models import build_tiny_model
 # The servers must start with nothing set by hand: the package alone switches SGLang to its CPU engine.
 for _var in ("SGLANG_USE_CPU_ENGINE", "SGLANG_DART_CPU"):
     os.environ.pop(_var, None)
+# DART servers verify full trees at every batch size unless a test asks for a schedule (monkeypatch), so
+# the lossless checks at batch 16 exercise tree verification, not the root-only steps that a batch-size
+# schedule would switch to.
+os.environ["SGLANG_DART_TREE_SIZES"] = "fixed"
 
 
 @pytest.fixture(scope="session")

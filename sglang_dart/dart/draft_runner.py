@@ -7,6 +7,10 @@ radix-cache sharing and freeing all follow the target's own bookkeeping):
   the slot of token t+1: it depends on tokens 0..t+1 only, so a shared radix prefix shares it correctly.
 The entry of the newest token (whose next token has no slot yet) is never stored; each step recomputes it
 from the stored residual. Mask slots are never stored.
+
+An entry's K/V is a function of its own residual and next token only (one layer: keys and values come from
+the layer input), so a step that drafts nothing still stores its entries cheaply (`store_entries`) and a
+later draft finds every entry of the prefix in place.
 """
 
 from __future__ import annotations
@@ -36,6 +40,32 @@ class DraftRunner:
         if slots.numel():
             self.residual[slots] = self.drafter.fuse(aux_hidden.to(self.residual.dtype))
 
+    def _entry_slots(self, rpi: torch.Tensor, first: list[int], last: list[int]) -> torch.Tensor:
+        """Token slots of entries first[r]..last[r] (the residual side), grouped per request."""
+        rows = [self.req_to_token[rpi[r], first[r] : last[r] + 1] for r in range(len(first))]
+        return torch.cat(rows).to(torch.int64)
+
+    @torch.no_grad()
+    def store_entries(
+        self, req_pool_indices: torch.Tensor, first: list[int], last: list[int], next_tokens: torch.Tensor
+    ) -> None:
+        """Store the K/V of entries first[r]..last[r]-1 of each request, as `step` would, with no attention,
+        head or mask slots (next_tokens as for `step`: grouped per request, the token after each entry)."""
+        rpi = req_pool_indices.to(torch.int64)
+        counts = torch.tensor([b - a + 1 for a, b in zip(first, last, strict=True)])
+        keep = torch.ones(int(counts.sum()), dtype=torch.bool)
+        keep[torch.cumsum(counts, 0) - 1] = False  # the newest entry of each request has no slot yet
+        if not bool(keep.any()):
+            return
+        device = self.residual.device
+        residual = self.residual[self._entry_slots(rpi, first, last)[keep.to(device)]]
+        positions = torch.cat([torch.arange(a, b + 1) for a, b in zip(first, last, strict=True)])[keep]
+        attn_in = self.drafter.real_inputs(residual, next_tokens.to(torch.int64)[keep].to(device))
+        _, k, v = self.drafter.project_qkv(attn_in, positions.to(attn_in.device))
+        slots = self._entry_slots(rpi, [a + 1 for a in first], last)  # entry t lives in slot of t+1
+        self.keys[slots] = k
+        self.values[slots] = v
+
     @torch.no_grad()
     def step(
         self, req_pool_indices: torch.Tensor, first: list[int], last: list[int], next_tokens: torch.Tensor
@@ -47,11 +77,7 @@ class DraftRunner:
         bs = len(first)
         rpi = req_pool_indices.to(torch.int64)
         real_counts = [b - a + 1 for a, b in zip(first, last, strict=True)]
-        # Token slots of the real rows, grouped per request.
-        slot_rows = torch.cat([self.req_to_token[rpi[r], first[r] : last[r] + 1] for r in range(bs)]).to(
-            torch.int64
-        )
-        residual_real = self.residual[slot_rows]
+        residual_real = self.residual[self._entry_slots(rpi, first, last)]
         real_in = drafter.real_inputs(residual_real, next_tokens.to(torch.int64))
         mask_in, mask_residual = drafter.mask_row(residual_real.dtype)
 

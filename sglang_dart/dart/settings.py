@@ -3,7 +3,9 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
 
 - draft checkpoint: `--speculative-draft-model-path` (config.json + model.safetensors);
 - 3-gram store: `--speculative-ngram-external-corpus-path` (built by `python -m sglang_dart.ngram build`);
-- tree size N, root included: `--speculative-num-draft-tokens` (default 16);
+- tree size N, root included: `--speculative-num-draft-tokens` (default 16), the largest tree a step
+  verifies; the tree shrinks as the batch grows (`tree_sizes.py`) by `SGLANG_DART_TREE_SIZES`, else the
+  drafter config's `dart_tree_sizes`, else a default for the device (`fixed`: always N);
 - candidates per depth k: `--speculative-eagle-topk` (default 8). SGLang reserves KV per request and step
   for `num_steps × topk` tokens, while a DART step writes exactly N, so at start-up k moves to the
   environment variable `SGLANG_DART_TOPK` (inherited by the scheduler processes) and the flag becomes 1;
@@ -23,12 +25,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sglang_dart.dart.tree_sizes import TreeSizeSchedule, TreeSizesError, default_schedule
 from sglang_dart.drafter import DraftConfig, DraftConfigError
 from sglang_dart.pruner import PrunerConfig
 
 DEFAULT_NUM_DRAFT_TOKENS = 16
 DEFAULT_TOPK = 8
 TOPK_ENV = "SGLANG_DART_TOPK"
+TREE_SIZES_ENV = "SGLANG_DART_TREE_SIZES"
+TREE_SIZES_KEY = "dart_tree_sizes"
 
 _KNOBS = {  # PrunerConfig field: (environment variable, drafter config key, type)
     "beam_width": ("SGLANG_DART_BEAM_WIDTH", "dart_beam_width", int),
@@ -47,8 +52,24 @@ class DartArgsError(ValueError):
     """A server argument DART cannot run with."""
 
 
+def _draft_config_json(server_args: Any) -> dict[str, Any]:
+    return json.loads((Path(server_args.speculative_draft_model_path) / "config.json").read_text())
+
+
+def tree_size_schedule(server_args: Any) -> TreeSizeSchedule:
+    """Tree size by batch size, capped at --speculative-num-draft-tokens."""
+    largest = server_args.speculative_num_draft_tokens
+    text = os.environ.get(TREE_SIZES_ENV, _draft_config_json(server_args).get(TREE_SIZES_KEY))
+    if text is None:
+        return default_schedule(server_args.device, largest)
+    try:
+        return TreeSizeSchedule.parse(str(text), largest)
+    except TreeSizesError as exc:
+        raise DartArgsError(f"{TREE_SIZES_ENV} / {TREE_SIZES_KEY}: {exc}") from exc
+
+
 def pruner_config(server_args: Any) -> PrunerConfig:
-    raw = json.loads((Path(server_args.speculative_draft_model_path) / "config.json").read_text())
+    raw = _draft_config_json(server_args)
     knobs: dict[str, Any] = {}
     for field, (env, key, kind) in _KNOBS.items():
         value = os.environ.get(env, raw.get(key))
@@ -112,6 +133,7 @@ def validate_server_args(server_args: Any) -> None:
     depth = draft.draft_length + 1
     server_args.speculative_eagle_topk = 1
     server_args.speculative_num_steps = min(depth, server_args.speculative_num_draft_tokens - 1)
+    tree_size_schedule(server_args)  # refuse a malformed schedule now, not at the first decode step
     cfg = pruner_config(server_args)
     possible = cfg.candidate_count(depth, topk)
     if cfg.num_nodes > possible:

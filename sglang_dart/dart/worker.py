@@ -1,18 +1,22 @@
 """The DART speculative worker for SGLang's batched scheduler (V2 schema, synchronous).
 
-Per decode step, for the whole running batch: the trees built at the end of the previous step go to one
-target verify forward (tree mask, taps captured), greedy/target-only acceptance and KV bookkeeping by
-SGLang's own helpers, then one batched draft forward over the accepted tokens + mask slots, one top-k +
-softmax, and one Rust pruner call giving next step's trees. A prefill runs the target, then the draft
-over the prompt, so every request enters decoding with a tree ready.
+Per decode step, for the whole running batch: one Rust pruner call turns the draft candidates kept from
+the previous step into trees of this step's size, one target verify forward (tree mask, taps captured),
+greedy/target-only acceptance and KV bookkeeping by SGLang's own helpers, then one batched draft forward
+over the accepted tokens + mask slots and one top-k + softmax, whose candidates the next step prunes. A
+prefill runs the target, then the draft over the prompt, so every request enters decoding with candidates.
 
-The tree handling on the scheduler side is SGLang's NGRAM path (DART reports `is_ngram()`): exactly
-`--speculative-num-draft-tokens` tokens per request, root first, with an ancestor mask.
+The tree size follows the batch size (`tree_sizes.py`): all requests of a step verify the same number of
+tokens, at most `--speculative-num-draft-tokens`, root first, with an ancestor mask, on SGLang's NGRAM
+verify path (DART reports `is_ngram()`), whose result processing reads the stride from each step's result.
+At size 1 a step verifies the root alone (a plain decode step) and skips the draft forward; the draft K/V
+of the accepted tokens is still stored, so drafting can resume at any later step.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +24,7 @@ import torch
 from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
@@ -33,7 +38,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang_dart.dart.draft_runner import DraftRunner
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.sampling import pin_logits_to_samples
-from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config
+from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config, tree_size_schedule
 from sglang_dart.drafter import load_drafter
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
 from sglang_dart.pruner import prune_batch
@@ -46,6 +51,17 @@ def _last_tokens(req: Any, n: int) -> list[int]:
     tail = list(req.output_ids[-n:])
     missing = n - len(tail)
     return (list(req.origin_input_ids[-missing:]) if missing else []) + tail
+
+
+@dataclass(frozen=True)
+class DraftCandidates:
+    """One request's draft output, kept for the next step's pruner: the target ids and probabilities of the
+    top-k per depth, the root (the request's last token) and the two tokens before it."""
+
+    tokens: np.ndarray  # [D, k] int64
+    probs: np.ndarray  # [D, k] float32
+    root: int
+    context: tuple[int, int]
 
 
 class DartWorker(NGRAMWorker):
@@ -77,9 +93,11 @@ class DartWorker(NGRAMWorker):
         self.store = NgramStore(server_args.speculative_ngram_external_corpus_path)
         self._check_store(target_worker.tokenizer, vocab)
         self.pruner_config = pruner_config(server_args)
+        self.tree_sizes = tree_size_schedule(server_args)
+        logger.info("DART tree size by batch size: %s", self.tree_sizes.describe())
         eos = getattr(model_config, "hf_eos_token_id", None) or []
         self.eos_ids = sorted({int(t) for t in (eos if not isinstance(eos, int) else [eos])})
-        self._trees: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._candidates: dict[str, DraftCandidates] = {}
         self.runner: DraftRunner | None = None
 
     def _check_store(self, tokenizer: Any, vocab: int) -> None:
@@ -100,8 +118,12 @@ class DartWorker(NGRAMWorker):
         slots = self.token_to_kv_pool_allocator.get_kvcache().get_key_buffer(0).shape[0]
         self.runner = DraftRunner(self.drafter, self.req_to_token_pool.req_to_token, slots)
 
+    def _init_preallocated_tensors(self) -> None:
+        """NGRAM's verify buffers are sized for a fixed tree; DART's tree size changes per step, so its
+        verify tensors are made per step instead (`_prepare_for_speculative_decoding`)."""
+
     def clear_cache_pool(self) -> None:
-        self._trees.clear()
+        self._candidates.clear()
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
         raise ValueError("DART reads its 3-gram store from --speculative-ngram-external-corpus-path only")
@@ -112,30 +134,45 @@ class DartWorker(NGRAMWorker):
     def list_external_corpora(self) -> dict[str, int]:
         return {}
 
-    # --- trees -----------------------------------------------------------------------------------------
+    # --- trees ---------------------------------------------------------------------------------------
 
-    def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
-        trees = [self._trees.get(req.rid) or self._fallback_tree(req) for req in batch.reqs]
-        tokens = np.stack([t for t, _ in trees]).astype(np.int64).reshape(-1)
-        masks = np.stack([m for _, m in trees]).reshape(-1)
-        return tokens, masks
+    def _step_size(self, batch: Any) -> int:
+        """This step's tree size: the schedule's for the batch size, or 1 (the root alone) when some request
+        has no current candidates, e.g. the step after one that drafted nothing."""
+        size = self.tree_sizes.size_for(len(batch.reqs))
+        if size > 1:
+            for req in batch.reqs:
+                cand = self._candidates.get(req.rid)
+                if cand is None or cand.root != _last_tokens(req, 1)[0]:
+                    return 1
+        return size
 
-    def _fallback_tree(self, req: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Every request gets its tree at prefill, so this should not happen; if it does, verify a chain that
-        repeats the root (still lossless, merely unlikely to be accepted) instead of failing the batch."""
-        logger.warning("DART: no draft tree for request %s; verifying a placeholder chain", req.rid)
-        n = self.draft_token_num
-        root = _last_tokens(req, 1)[0]
-        return np.full(n, root, dtype=np.int64), np.tril(np.ones((n, n), dtype=bool))
+    def _trees(self, batch: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Flat node tokens [bs * size] and ancestor masks [bs * size * size] of this step's trees."""
+        if size == 1:
+            roots = [_last_tokens(req, 1)[0] for req in batch.reqs]
+            return np.asarray(roots, dtype=np.int64), np.ones(len(roots), dtype=bool)
+        cands = [self._candidates[req.rid] for req in batch.reqs]
+        trees = prune_batch(
+            np.stack([c.tokens for c in cands]),
+            np.stack([c.probs for c in cands]),
+            np.asarray([c.root for c in cands], dtype=np.int64),
+            np.asarray([c.context for c in cands], dtype=np.int64),
+            self.eos_ids,
+            config=replace(self.pruner_config, num_nodes=size - 1),
+            store=self.store,
+            vocab_size=self.model_runner.model_config.vocab_size,
+        )
+        return trees.tokens.reshape(-1), trees.tree_mask.reshape(-1)
 
-    def _grammar_mask(self, batch: Any) -> Any:
-        """Per-node vocabulary mask of grammar-constrained requests, walked over this step's trees (set
-        up by NGRAMWorker's preparation, which stages the host trees when the batch has a grammar)."""
+    def _grammar_mask(self, batch: Any, size: int) -> Any:
+        """Per-node vocabulary mask of grammar-constrained requests, walked over this step's trees (staged
+        by _prepare_for_speculative_decoding when the batch has a grammar)."""
         if not batch.has_grammar or self.grammar_tree_host is None:
             return None
         mask, req_drafts = self.grammar_tree_host
         bs = len(batch.reqs)
-        next_token, next_sibling = _derive_tree_links(mask, bs, self.draft_token_num)
+        next_token, next_sibling = _derive_tree_links(mask, bs, size)
         drafts = torch.from_numpy(req_drafts).to(torch.int64).view(bs, -1)
         return build_grammar_vocab_mask(
             reqs=batch.reqs,
@@ -145,32 +182,69 @@ class DartWorker(NGRAMWorker):
             barrier=None,
         )
 
-    def _prepare_for_speculative_decoding(self, batch: Any) -> None:
-        super()._prepare_for_speculative_decoding(batch)
-        if batch.forward_mode.is_target_verify():
-            batch.spec_info.capture_hidden_mode = CaptureHiddenMode.FULL  # the drafter reads the taps
+    def _full_mask(self, batch: Any, mask: np.ndarray, size: int) -> torch.Tensor:
+        """The [size, prefix + size] per-request masks FlashInfer/Triton verify reads (NGRAM's layout)."""
+        per_req = mask.reshape(len(batch.reqs), size, size)
+        rows = []
+        for i, seq_len in enumerate(batch.seq_lens_cpu.tolist()):
+            prefix = torch.ones((size, seq_len), dtype=torch.bool, device=self.device)
+            tree = torch.from_numpy(per_req[i]).to(self.device, non_blocking=True)
+            rows.append(torch.cat((prefix, tree), dim=1).flatten())
+        return torch.cat(rows)
 
-    def _build_trees(
+    def _prepare_for_speculative_decoding(self, batch: Any) -> None:
+        """Turn a decode batch into a TARGET_VERIFY batch over this step's trees (NGRAM's verify layout,
+        sized per step instead of per server)."""
+        if not batch.forward_mode.is_decode():
+            return
+        bs = len(batch.reqs)
+        size = self._step_size(batch)
+        with self.timer.phase("prune"):
+            tokens, mask = self._trees(batch, size)
+        draft_tokens = torch.from_numpy(tokens).to(self.device)
+        tree_mask = torch.from_numpy(mask).to(self.device)
+        positions = torch.empty(bs * size, dtype=torch.int64, device=self.device)
+        retrieve = [torch.empty((bs, size), dtype=torch.int64, device=self.device) for _ in range(3)]
+        ngram.reconstruct_indices_from_tree_mask(tree_mask, batch.seq_lens, positions, *retrieve, bs, size)
+        self.grammar_tree_host = (mask, tokens) if batch.has_grammar else None
+        custom_mask = (
+            self._full_mask(batch, mask, size) if ngram.USE_FULL_MASK and not ngram._is_cpu else tree_mask
+        )
+
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = draft_tokens
+        batch.out_cache_loc = ngram.assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=batch.seq_lens,
+            end_offset=batch.seq_lens + size,
+            batch_size=bs,
+            draft_token_num=size,
+            device=self.device,
+        )
+        ngram.prepare_mamba_track_for_verify(batch)
+        batch.spec_info = NgramVerifyInput(
+            draft_token=draft_tokens,
+            custom_mask=custom_mask,
+            positions=positions,
+            retrieve_index=retrieve[0],
+            retrieve_next_token=retrieve[1],
+            retrieve_next_sibling=retrieve[2],
+            draft_token_num=size,
+        )
+        batch.spec_info.capture_hidden_mode = CaptureHiddenMode.FULL  # the drafter reads the taps
+
+    def _keep_candidates(
         self, batch: Any, logits: torch.Tensor, roots: list[int], contexts: list[list[int]]
     ) -> None:
         with self.timer.phase("topk"):
             top = torch.topk(logits.float(), self.candidates, dim=-1)
-            probs = torch.softmax(top.values, dim=-1)  # the softmax over the top-k, as the reference
-            tokens = self.drafter.draft_to_target(top.indices).cpu().numpy()
-            probs = probs.cpu().numpy()
-        with self.timer.phase("prune"):
-            trees = prune_batch(
-                tokens,
-                probs,
-                np.asarray(roots, dtype=np.int64),
-                np.asarray(contexts, dtype=np.int64),
-                self.eos_ids,
-                config=self.pruner_config,
-                store=self.store,
-                vocab_size=self.model_runner.model_config.vocab_size,
-            )
+            probs = torch.softmax(top.values, dim=-1).cpu().numpy()  # over the top-k, as the reference
+            tokens = self.drafter.draft_to_target(top.indices).to(torch.int64).cpu().numpy()
         for i, req in enumerate(batch.reqs):
-            self._trees[req.rid] = (trees.tokens[i], trees.tree_mask[i])
+            self._candidates[req.rid] = DraftCandidates(
+                tokens[i], probs[i], int(roots[i]), (int(contexts[i][0]), int(contexts[i][1]))
+            )
 
     def _draft_after_extend(self, batch: Any, taps: torch.Tensor, sampled: torch.Tensor) -> None:
         runner = self.runner
@@ -195,7 +269,7 @@ class DartWorker(NGRAMWorker):
         with self.timer.phase("draft"):
             runner.store_residuals(slot_rows, taps[: slot_rows.numel()])
             logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
-        self._build_trees(batch, logits, roots, contexts)
+        self._keep_candidates(batch, logits, roots, contexts)
 
     def _draft_after_verify(
         self,
@@ -224,25 +298,36 @@ class DartWorker(NGRAMWorker):
             roots.append(bonus)
             history = _last_tokens(req, 2)
             contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
+        draft = self.tree_sizes.size_for(len(batch.reqs)) > 1  # else next step verifies roots alone
         with self.timer.phase("draft"):
             runner.store_residuals(torch.cat(slots).to(torch.int64), taps[torch.cat(paths)])  # one write
-            logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
-        self._build_trees(batch, logits, roots, contexts)
+            next_tokens = torch.tensor(nexts, dtype=torch.int64)
+            if draft:
+                logits = runner.step(rpi, firsts, lasts, next_tokens)
+            else:
+                runner.store_entries(rpi, firsts, lasts, next_tokens)
+        if draft:
+            self._keep_candidates(batch, logits, roots, contexts)
+        else:
+            for req in batch.reqs:
+                self._candidates.pop(req.rid, None)
 
     # --- one scheduler step ----------------------------------------------------------------------------
 
     def forward_batch_generation(self, batch: Any, on_publish: Any = None) -> GenerationBatchResult:
         bs = len(batch.reqs)
+        size = self.draft_token_num  # the result stride: this step's tree size after a verify
         with self.timer.phase("prepare"):
             self._prepare_for_speculative_decoding(batch)
         if batch.forward_mode.is_target_verify():
+            size = batch.spec_info.draft_token_num
             with self.timer.phase("verify"):
                 result = self.target_worker.forward_batch_generation(batch, is_verify=True)
             logits_output = result.logits_output
             verify_input = batch.spec_info
             taps = logits_output.hidden_states
             with self.timer.phase("accept"):
-                grammar_mask = self._grammar_mask(batch)
+                grammar_mask = self._grammar_mask(batch, size)
                 if grammar_mask is not None:  # before sampling: draws come from the constrained target
                     grammar_mask.apply(logits_output.next_token_logits)
                 # Logprobs must describe the target's distribution, not the one-hot pinned rows.
@@ -251,9 +336,7 @@ class DartWorker(NGRAMWorker):
                     if batch.return_logprob and not batch.sampling_info.is_all_greedy
                     else None
                 )
-                pin_logits_to_samples(
-                    batch.sampling_info, logits_output.next_token_logits, self.draft_token_num
-                )
+                pin_logits_to_samples(batch.sampling_info, logits_output.next_token_logits, size)
                 predict, accept_lens, accept_index = eagle_sample(verify_input, batch, logits_output, None)
                 new_seq_lens = batch.seq_lens + accept_lens
                 accept_tokens = predict[accept_index].flatten()
@@ -263,15 +346,16 @@ class DartWorker(NGRAMWorker):
             if batch.return_logprob:
                 if unpinned is not None:
                     logits_output.next_token_logits = unpinned
-                compute_spec_v2_logprobs(
-                    batch, logits_output, predict, accept_index, self.draft_token_num - 1
-                )
+                compute_spec_v2_logprobs(batch, logits_output, predict, accept_index, size - 1)
             if on_publish is not None:
                 on_publish(new_seq_lens)
             self._draft_after_verify(batch, taps, accept_index, accept_lens, predict)
             self._forget_departed(batch)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
+            # The batch keeps its spec input across filters and merges with freshly prefilled requests,
+            # which reshape it by its own draft_token_num: keep that at the server's N.
+            accept_tokens = self._widen(accept_tokens.view(bs, size)).flatten()
             self.timer.step_done(bs)
         else:
             result = self.target_worker.forward_batch_generation(
@@ -301,12 +385,19 @@ class DartWorker(NGRAMWorker):
                 accept_tokens=accept_tokens,
                 accept_lens=accept_lens,
             ),
-            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            speculative_num_draft_tokens=size,
         )
+
+    def _widen(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[1] == self.draft_token_num:
+            return rows
+        wide = rows.new_zeros(rows.shape[0], self.draft_token_num)
+        wide[:, : rows.shape[1]] = rows
+        return wide
 
     def _forget_departed(self, batch: Any) -> None:
         # A decode batch holds every running request (DART runs without mixed or overlapped batches), so
-        # a tree of any other request belongs to one that finished, was aborted or was retracted.
+        # candidates of any other request belong to one that finished, was aborted or was retracted.
         current = {req.rid for req in batch.reqs}
-        for rid in [rid for rid in self._trees if rid not in current]:
-            del self._trees[rid]
+        for rid in [rid for rid in self._candidates if rid not in current]:
+            del self._candidates[rid]

@@ -1,11 +1,14 @@
-"""Regenerate training conversations with the target itself (greedy), through a real SGLang server.
+"""Regenerate training conversations with the target itself, through a real SGLang server.
 
     python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts 380]
         [--max-new-tokens 256] [--concurrency 16] [--dtype auto] [--exclude-file PROMPTS.txt]
+        [--temperature 0.0] [--samples-per-prompt 1]
 
 Each output line is {"prompt": str, "input_ids": [...], "prompt_len": int, "text": str}: the chat-templated
-prompt followed by the target's greedy answer. A drafter trained on the target's own outputs learns what
-the verifier will accept; `text` feeds `python -m sglang_dart.ngram build` for the 3-gram store.
+prompt followed by the target's answer (greedy by default). A drafter trained on the target's own outputs
+learns what the verifier will accept; `text` feeds `python -m sglang_dart.ngram build` for the 3-gram store.
+Sampled answers (`--temperature > 0`, several per prompt) add variety from a fixed prompt list: the trainer
+labels every position with the target's argmax anyway, so sampling changes the contexts, not the targets.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def generate(
     concurrency: int,
     log_dir: Path,
     dtype: str = "auto",
+    temperature: float = 0.0,
 ) -> list[dict]:
     from transformers import AutoTokenizer
 
@@ -50,7 +54,7 @@ def generate(
     )
     server.start()
     try:
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
 
         def one(prompt: str) -> dict:
             ids = chat_prompt_ids(tokenizer, prompt)
@@ -81,11 +85,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="target dtype, as the server that will use the drafter")
     p.add_argument("--exclude-file", type=Path, default=None, help="prompts (one per line) to keep out")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (with sampling)")
     args = p.parse_args(argv)
+    if args.temperature < 0 or args.samples_per_prompt < 1:
+        p.error("--temperature must be >= 0 and --samples-per-prompt >= 1")
+    if args.samples_per_prompt > 1 and args.temperature == 0:
+        p.error("--samples-per-prompt > 1 needs --temperature > 0 (greedy answers would repeat)")
     exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
-    prompts = training_prompts(args.num_prompts, seed=args.seed, exclude=exclude)
+    prompts = training_prompts(args.num_prompts, seed=args.seed, exclude=exclude) * args.samples_per_prompt
     with tempfile.TemporaryDirectory() as tmp:
-        rows = generate(args.target, prompts, args.max_new_tokens, args.concurrency, Path(tmp), args.dtype)
+        rows = generate(
+            args.target,
+            prompts,
+            args.max_new_tokens,
+            args.concurrency,
+            Path(tmp),
+            args.dtype,
+            args.temperature,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as f:
         for row in rows:

@@ -259,26 +259,32 @@ def test_retracted_requests_resume_losslessly(
         server.stop()
 
 
-def test_drafts_are_accepted_when_the_store_knows_the_target(
-    tiny_qwen3_dir, qwen3_plain, tmp_path, server_logs
-):
-    """Synthetic τ check: a store of the target's own greedy continuations, used from the first level on,
-    makes the trees predict the target. If verification or bookkeeping rejected everything, τ would be 1."""
+@pytest.fixture(scope="module")
+def own_store_assets(
+    tiny_qwen3_dir, qwen3_plain, tmp_path_factory
+) -> tuple[list[str], list[dict], list[str]]:
+    """Prompts, the plain server's greedy outputs, and DART args whose trees predict those outputs: a store
+    of the target's own continuations, used from the first level on."""
     from transformers import AutoTokenizer
 
+    root = tmp_path_factory.mktemp("own-store")
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
     prompts = many_prompts(24)
     outputs = _run_all(qwen3_plain, prompts, 8, n=48)
     documents = [
         tokenizer(p)["input_ids"] + out["output_ids"] for p, out in zip(prompts, outputs, strict=True)
     ]
-    store = build_store_from_ids(tiny_qwen3_dir, tmp_path / "own.store", documents)
-    draft = build_random_drafter(tmp_path / "draft", tiny_qwen3_dir, dart_ngram_at_level0=True)
-    vocab = len(tokenizer)
+    store = build_store_from_ids(tiny_qwen3_dir, root / "own.store", documents)
+    draft = build_random_drafter(root / "draft", tiny_qwen3_dir, dart_ngram_at_level0=True)
+    return prompts, outputs, _dart_args(draft, store, tokens=8, topk=len(tokenizer))
+
+
+def test_drafts_are_accepted_when_the_store_knows_the_target(tiny_qwen3_dir, own_store_assets, server_logs):
+    """Synthetic τ check: with the trees predicting the target, τ must be well above 1. If verification or
+    bookkeeping rejected everything, τ would be 1."""
+    prompts, outputs, dart_args = own_store_assets
     server = SglangServer(
-        tiny_qwen3_dir,
-        [*_dart_args(draft, store, tokens=8, topk=vocab), "--enable-metrics"],
-        server_logs / "qwen3-tau.log",
+        tiny_qwen3_dir, [*dart_args, "--enable-metrics"], server_logs / "qwen3-tau.log"
     ).start()
     try:
         speculative = _run_all(server, prompts, 4, n=48)
@@ -291,6 +297,42 @@ def test_drafts_are_accepted_when_the_store_knows_the_target(
     steps = sum(o["meta_info"]["spec_verify_ct"] for o in speculative)
     assert emitted / steps > 1.5, f"mean accepted length {emitted / steps:.2f}"
     _check_observability(speculative, metrics, server.log_text())
+
+
+_DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+)")
+
+
+def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch):
+    """Schedule 1:8,4:1: steps with 4 or more running requests verify the roots alone (accept length
+    exactly 1 in the per-step log line), smaller batches draft trees again (accept length > 1). Requests of
+    staggered lengths take the batch from 12 down to 1, through both switches, and stay lossless."""
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:8,4:1")
+    prompts, outputs, dart_args = own_store_assets
+    args = [*dart_args, "--decode-log-interval", "1"]
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes.log").start()
+    lengths = [4 + 4 * i for i in range(12)]  # up to the 48 tokens of the reference outputs
+    try:
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            results = list(
+                pool.map(
+                    lambda p, n: server.generate(
+                        {"text": p, "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}
+                    ),
+                    prompts[:12],
+                    lengths,
+                )
+            )
+        log = server.log_text()
+        assert server.healthy()
+    finally:
+        server.stop()
+    for out, ref, n in zip(results, outputs[:12], lengths, strict=True):
+        assert out["output_ids"] == ref["output_ids"][:n]
+    steps = [(int(bs), float(tau)) for bs, tau in _DECODE_LINE.findall(log)]
+    big = [tau for bs, tau in steps if bs >= 6]  # margin: the logged count may trail the batch that ran
+    small = [tau for bs, tau in steps if bs <= 2]
+    assert big and all(tau == 1.0 for tau in big), steps
+    assert small and max(small) > 1.0, steps
 
 
 def _check_observability(outputs: list[dict], metrics: str, log: str) -> None:

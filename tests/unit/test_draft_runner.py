@@ -50,3 +50,34 @@ def test_batched_steps_match_single_request_forward(tmp_path):
         logits = runner.step(rpi, first, last, nxt)
         for r in range(2):
             torch.testing.assert_close(logits[r], reference(r, committed[r]), atol=1e-4, rtol=1e-4)
+
+
+def test_steps_that_only_store_entries_keep_later_drafts_exact(tmp_path):
+    """Steps that draft nothing (tree size 1 at large batch sizes) store their entries' K/V only; a later
+    full step must still see every entry of the prefix, as the single-request drafter does."""
+    drafter = load_drafter(_write_checkpoint(tmp_path / "draft"), _embedding(), H, V, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    num_slots, max_len = 120, 30
+    req_to_token = torch.zeros(2, max_len, dtype=torch.int32)
+    req_to_token[0] = (torch.randperm(num_slots - 1, generator=gen)[:max_len] + 1).to(torch.int32)
+    runner = DraftRunner(drafter, req_to_token, num_slots)
+    rpi = torch.tensor([0])
+    tokens = torch.randint(0, V, (max_len + 1,), generator=gen)
+    aux = torch.randn(max_len, 3 * H, generator=gen)
+    prompt = 5
+    runner.store_residuals(req_to_token[0, :prompt].long(), aux[:prompt])
+    runner.step(rpi, [0], [prompt - 1], tokens[1 : prompt + 1])
+    committed = prompt
+    for accepted, draft in ((1, False), (1, False), (3, False), (1, True), (2, False), (1, True)):
+        runner.store_residuals(
+            req_to_token[0, committed : committed + accepted].long(), aux[committed:][:accepted]
+        )
+        first, committed = committed - 1, committed + accepted
+        nxt = tokens[first + 1 : committed + 1]
+        if not draft:
+            runner.store_entries(rpi, [first], [committed - 1], nxt)
+            continue
+        logits = runner.step(rpi, [first], [committed - 1], nxt)
+        with torch.no_grad():
+            expected = drafter(aux[:committed], tokens[1 : committed + 1], start_pos=0).logits
+        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,80 @@
+"""How many tokens each request's tree holds, by running batch size.
+
+A verify step costs about the same as a plain decode step while the batch is small (weights are read once
+for all its tokens), but once the hardware is busy it costs in proportion to batch size × tree size, and a
+big tree at a big batch makes DART slower than plain decoding. The schedule shrinks the tree as the batch
+grows, down to 1 (the root alone: a plain decode step through the verify path, no draft forward).
+
+Written as `min_batch:size` pairs, e.g. `1:8,4:4,8:1`: batches of 1-3 requests verify 8 tokens each, 4-7
+verify 4, 8 and more verify the root only. `fixed` keeps the server's --speculative-num-draft-tokens at
+every batch size. Sizes above --speculative-num-draft-tokens are capped at it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+FIXED = "fixed"
+
+
+class TreeSizesError(ValueError):
+    """A tree-size schedule that cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class TreeSizeSchedule:
+    min_batches: tuple[int, ...]  # ascending, first is 1
+    sizes: tuple[int, ...]  # tree size (root included) from the matching min_batch on
+
+    @classmethod
+    def fixed(cls, size: int) -> TreeSizeSchedule:
+        return cls((1,), (size,))
+
+    @classmethod
+    def parse(cls, text: str, max_size: int) -> TreeSizeSchedule:
+        text = text.strip()
+        if text.lower() == FIXED:
+            return cls.fixed(max_size)
+        pairs: list[tuple[int, int]] = []
+        for item in text.split(","):
+            batch, sep, size = item.partition(":")
+            try:
+                if not sep:
+                    raise ValueError
+                pairs.append((int(batch), int(size)))
+            except ValueError:
+                raise TreeSizesError(
+                    f"tree sizes {text!r}: {item.strip()!r} is not min_batch:size (e.g. 1:8,4:4,8:1)"
+                ) from None
+        pairs.sort()
+        batches = [b for b, _ in pairs]
+        if batches[0] != 1:
+            raise TreeSizesError(f"tree sizes {text!r}: the first min_batch must be 1")
+        if len(set(batches)) != len(batches):
+            raise TreeSizesError(f"tree sizes {text!r}: a min_batch appears twice")
+        if any(size < 1 for _, size in pairs):
+            raise TreeSizesError(f"tree sizes {text!r}: sizes must be >= 1 (1 = the root alone)")
+        return cls(tuple(batches), tuple(min(size, max_size) for _, size in pairs))
+
+    def size_for(self, batch_size: int) -> int:
+        return self.sizes[bisect.bisect_right(self.min_batches, max(batch_size, 1)) - 1]
+
+    @property
+    def max_size(self) -> int:
+        return max(self.sizes)
+
+    def describe(self) -> str:
+        return ",".join(f"{b}:{s}" for b, s in zip(self.min_batches, self.sizes, strict=True))
+
+
+# Defaults when neither the environment nor the drafter's config names a schedule.
+# CPU: measured with SmolLM2-135M on 2 cores (benchmarks/results/throughput.md, run 5), where a verify costs
+# in proportion to batch × tree size from batch 4 on.
+# CUDA: not measured here. It follows the shape of SGLang's own --speculative-adaptive defaults (shorter
+# drafts from batch 8, shorter still from 32, none from 64).
+DEFAULT_SCHEDULES = {"cpu": "1:8,2:6,4:1", "cuda": "1:64,8:16,32:4,64:1"}
+
+
+def default_schedule(device: str, max_size: int) -> TreeSizeSchedule:
+    return TreeSizeSchedule.parse(DEFAULT_SCHEDULES.get(device, FIXED), max_size)

@@ -1,0 +1,68 @@
+"""The tree-size schedule: parsing, lookup by batch size, capping, and where the server reads it from."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_dart.dart.settings import DartArgsError, tree_size_schedule
+from sglang_dart.dart.tree_sizes import TreeSizeSchedule, TreeSizesError, default_schedule
+
+
+def test_lookup_by_batch_size():
+    schedule = TreeSizeSchedule.parse("4:4, 1:8, 8:1", max_size=16)  # order does not matter
+    assert [schedule.size_for(bs) for bs in (1, 2, 3, 4, 7, 8, 64)] == [8, 8, 8, 4, 4, 1, 1]
+    assert schedule.describe() == "1:8,4:4,8:1"
+    assert schedule.max_size == 8
+
+
+def test_sizes_are_capped_and_fixed_means_the_server_size():
+    assert TreeSizeSchedule.parse("1:64,8:16", max_size=8).sizes == (8, 8)
+    fixed = TreeSizeSchedule.parse("fixed", max_size=12)
+    assert [fixed.size_for(bs) for bs in (1, 100)] == [12, 12]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("2:8,8:1", "first min_batch must be 1"),
+        ("1:8,1:4", "appears twice"),
+        ("1:0", ">= 1"),
+        ("1:8,x:2", "'x:2' is not min_batch:size"),
+        ("8", "is not min_batch:size"),
+        ("", "is not min_batch:size"),
+    ],
+)
+def test_malformed_schedules_are_refused(text, message):
+    with pytest.raises(TreeSizesError, match=message):
+        TreeSizeSchedule.parse(text, max_size=8)
+
+
+def test_defaults_shrink_with_batch_size_and_unknown_devices_are_fixed():
+    for device in ("cpu", "cuda"):
+        schedule = default_schedule(device, max_size=16)
+        sizes = [schedule.size_for(bs) for bs in range(1, 129)]
+        assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1 and sizes[-1] == 1
+    assert default_schedule("xpu", max_size=16).sizes == (16,)
+
+
+def _server_args(tmp_path, config: dict) -> SimpleNamespace:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return SimpleNamespace(
+        speculative_draft_model_path=str(tmp_path), speculative_num_draft_tokens=8, device="cpu"
+    )
+
+
+def test_environment_overrides_the_drafter_config(tmp_path, monkeypatch):
+    args = _server_args(tmp_path, {"dart_tree_sizes": "1:6,2:1"})
+    monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
+    assert tree_size_schedule(args).describe() == "1:6,2:1"
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:8,4:2")
+    assert tree_size_schedule(args).describe() == "1:8,4:2"
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:8;4:2")
+    with pytest.raises(DartArgsError, match="SGLANG_DART_TREE_SIZES"):
+        tree_size_schedule(args)
+    monkeypatch.delenv("SGLANG_DART_TREE_SIZES")
+    assert tree_size_schedule(_server_args(tmp_path, {})) == default_schedule("cpu", 8)
