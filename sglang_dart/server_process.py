@@ -32,9 +32,15 @@ class ServerFailed(RuntimeError):
 
 class SglangServer:
     def __init__(
-        self, model_path: Path | str, args: list[str], log_path: Path, device_args: list[str] | None = None
+        self,
+        model_path: Path | str,
+        args: list[str],
+        log_path: Path,
+        device_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model_path = str(model_path)
+        self.env = {**os.environ, **env} if env else None  # extra variables for the server process
         self.args = list(args)
         self.device_args = CPU_ARGS if device_args is None else list(device_args)
         self.log_path = Path(log_path)
@@ -61,7 +67,7 @@ class SglangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
         self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
         )
         log.close()
         deadline = time.monotonic() + timeout

@@ -41,9 +41,12 @@ class DraftRunner:
             self.residual[slots] = self.drafter.fuse(aux_hidden.to(self.residual.dtype))
 
     def _entry_slots(self, rpi: torch.Tensor, first: list[int], last: list[int]) -> torch.Tensor:
-        """Token slots of entries first[r]..last[r] (the residual side), grouped per request."""
-        rows = [self.req_to_token[rpi[r], first[r] : last[r] + 1] for r in range(len(first))]
-        return torch.cat(rows).to(torch.int64)
+        """Token slots of positions first[r]..last[r] of each request r, grouped per request (one gather)."""
+        counts = torch.tensor([b - a + 1 for a, b in zip(first, last, strict=True)], dtype=torch.int64)
+        rows = rpi.cpu().to(torch.int64).repeat_interleave(counts)
+        cols = _ranges(torch.tensor(first, dtype=torch.int64), counts)
+        device = self.req_to_token.device
+        return self.req_to_token[rows.to(device), cols.to(device)].to(torch.int64)
 
     @torch.no_grad()
     def store_entries(
@@ -51,18 +54,17 @@ class DraftRunner:
     ) -> None:
         """Store the K/V of entries first[r]..last[r]-1 of each request, as `step` would, with no attention,
         head or mask slots (next_tokens as for `step`: grouped per request, the token after each entry)."""
-        rpi = req_pool_indices.to(torch.int64)
-        counts = torch.tensor([b - a + 1 for a, b in zip(first, last, strict=True)])
+        counts = torch.tensor([b - a + 1 for a, b in zip(first, last, strict=True)], dtype=torch.int64)
         keep = torch.ones(int(counts.sum()), dtype=torch.bool)
         keep[torch.cumsum(counts, 0) - 1] = False  # the newest entry of each request has no slot yet
         if not bool(keep.any()):
             return
         device = self.residual.device
-        residual = self.residual[self._entry_slots(rpi, first, last)[keep.to(device)]]
-        positions = torch.cat([torch.arange(a, b + 1) for a, b in zip(first, last, strict=True)])[keep]
+        residual = self.residual[self._entry_slots(req_pool_indices, first, last)[keep.to(device)]]
+        positions = _ranges(torch.tensor(first, dtype=torch.int64), counts)[keep]
         attn_in = self.drafter.real_inputs(residual, next_tokens.to(torch.int64)[keep].to(device))
-        _, k, v = self.drafter.project_qkv(attn_in, positions.to(attn_in.device))
-        slots = self._entry_slots(rpi, [a + 1 for a in first], last)  # entry t lives in slot of t+1
+        _, k, v = self.drafter.project_qkv(attn_in, positions.to(device))
+        slots = self._entry_slots(req_pool_indices, [a + 1 for a in first], last)  # entry t: slot of t+1
         self.keys[slots] = k
         self.values[slots] = v
 
@@ -76,23 +78,22 @@ class DraftRunner:
         drafter, d = self.drafter, self.num_masks
         bs = len(first)
         rpi = req_pool_indices.to(torch.int64)
-        real_counts = [b - a + 1 for a, b in zip(first, last, strict=True)]
+        real_counts = torch.tensor([b - a + 1 for a, b in zip(first, last, strict=True)], dtype=torch.int64)
         residual_real = self.residual[self._entry_slots(rpi, first, last)]
         real_in = drafter.real_inputs(residual_real, next_tokens.to(torch.int64))
         mask_in, mask_residual = drafter.mask_row(residual_real.dtype)
 
         # Flat row layout: request r owns [real rows | d mask rows].
-        counts = torch.tensor([m + d for m in real_counts], dtype=torch.int64)
+        counts = real_counts + d
         starts = torch.cumsum(counts, 0) - counts
-        within = torch.cat([torch.arange(m) for m in real_counts])
-        real_pos = torch.repeat_interleave(starts, torch.tensor(real_counts)) + within
+        real_pos = _ranges(starts, real_counts)
         total = int(counts.sum())
         attn_in = mask_in.expand(total, -1).clone()
         residual = mask_residual.expand(total, -1).clone()
         attn_in[real_pos] = real_in
         residual[real_pos] = residual_real
         first_t = torch.tensor(first, dtype=torch.int64)
-        positions = torch.cat([torch.arange(a, a + c) for a, c in zip(first, counts.tolist(), strict=True)])
+        positions = _ranges(first_t, counts)
 
         q, k, v = drafter.project_qkv(attn_in, positions.to(attn_in.device))
         plan = make_plan(self.req_to_token[:, 1:], rpi, first_t, counts)  # entry t lives in slot of t+1
@@ -100,21 +101,21 @@ class DraftRunner:
             plan, q, k, v, self.keys, self.values, scaling=1.0 / math.sqrt(drafter.cfg.head_dim)
         ).reshape(total, -1)
 
-        stored = [
-            (
-                starts[r] + torch.arange(real_counts[r] - 1),
-                self.req_to_token[rpi[r], first[r] + 1 : last[r] + 1],
-            )
-            for r in range(bs)
-            if real_counts[r] > 1
-        ]
-        if stored:
-            rows = torch.cat([s[0] for s in stored])
-            slots = torch.cat([s[1] for s in stored]).to(torch.int64)
-            self.keys[slots] = k[rows]
-            self.values[slots] = v[rows]
+        # Every real entry but the newest of each request has its slot (that of the token after it).
+        stored_rows = _ranges(starts, real_counts - 1)
+        if stored_rows.numel():
+            slots = self._entry_slots(rpi, [a + 1 for a in first], last)
+            self.keys[slots] = k[stored_rows]
+            self.values[slots] = v[stored_rows]
 
-        heads = (starts + torch.tensor(real_counts) - 1).unsqueeze(1) + torch.arange(d + 1).unsqueeze(0)
+        heads = (starts + real_counts - 1).unsqueeze(1) + torch.arange(d + 1).unsqueeze(0)
         heads = heads.reshape(-1)
         logits = drafter.head(residual[heads], context[heads])
         return logits.view(bs, d + 1, -1)
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The concatenation of arange(starts[r], starts[r] + counts[r]) over r, without a Python loop."""
+    offsets = torch.cumsum(counts, 0) - counts
+    within = torch.arange(int(counts.sum())) - offsets.repeat_interleave(counts)
+    return starts.repeat_interleave(counts) + within

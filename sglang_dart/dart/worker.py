@@ -281,26 +281,30 @@ class DartWorker(NGRAMWorker):
     ) -> None:
         runner = self.runner
         rpi = batch.req_pool_indices
-        drafts = batch.spec_info.draft_token.view(-1)
-        firsts, lasts, nexts, roots, contexts, slots, paths = [], [], [], [], [], [], []
-        seq_lens = batch.seq_lens.tolist()
-        for i, req in enumerate(batch.reqs):
-            count = int(accept_lens[i])
-            path = accept_index[i, :count].to(torch.int64)  # root, then the accepted drafts
-            committed = seq_lens[i]
-            slots.append(runner.req_to_token[rpi[i], committed : committed + count])
-            paths.append(path)
-            new_tokens = drafts[path].tolist()
-            bonus = int(predict[path[-1]])
+        # Host copies once: the per-request walk below is plain Python (a tensor op per request would
+        # cost more than a root-only step saves at large batches).
+        drafts = batch.spec_info.draft_token.view(-1).tolist()
+        accept_rows, lens, predicted = accept_index.tolist(), accept_lens.tolist(), predict.tolist()
+        firsts, lasts, nexts, roots, contexts, paths, slot_rows, slot_cols = [], [], [], [], [], [], [], []
+        for i, (req, committed, row) in enumerate(
+            zip(batch.reqs, batch.seq_lens.tolist(), rpi.tolist(), strict=True)
+        ):
+            path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
+            paths.extend(path)
+            slot_rows.extend([row] * len(path))
+            slot_cols.extend(range(committed, committed + len(path)))
+            new_tokens = [drafts[j] for j in path]
+            bonus = predicted[path[-1]]
             firsts.append(committed - 1)
-            lasts.append(committed + count - 1)
+            lasts.append(committed + len(path) - 1)
             nexts.extend(new_tokens + [bonus])
             roots.append(bonus)
             history = _last_tokens(req, 2)
             contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
+        slots = runner.req_to_token[torch.tensor(slot_rows), torch.tensor(slot_cols)].to(torch.int64)
         draft = self.tree_sizes.size_for(len(batch.reqs)) > 1  # else next step verifies roots alone
         with self.timer.phase("draft"):
-            runner.store_residuals(torch.cat(slots).to(torch.int64), taps[torch.cat(paths)])  # one write
+            runner.store_residuals(slots, taps[torch.tensor(paths, device=taps.device)])  # one write
             next_tokens = torch.tensor(nexts, dtype=torch.int64)
             if draft:
                 logits = runner.step(rpi, firsts, lasts, next_tokens)
