@@ -369,9 +369,7 @@ class DartWorker(NGRAMWorker):
             next_token_ids = result.next_token_ids
             new_seq_lens = batch.seq_lens.clone()
             accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
-            accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
-            accept_tokens[:, 0] = next_token_ids
-            accept_tokens = accept_tokens.flatten()
+            accept_tokens = self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten()
             if on_publish is not None:
                 on_publish(new_seq_lens)
             if bs:
@@ -393,6 +391,7 @@ class DartWorker(NGRAMWorker):
         )
 
     def _widen(self, rows: torch.Tensor) -> torch.Tensor:
+        """Accepted tokens [bs, size] padded with zeros to the server's stride [bs, N]."""
         if rows.shape[1] == self.draft_token_num:
             return rows
         wide = rows.new_zeros(rows.shape[0], self.draft_token_num)
