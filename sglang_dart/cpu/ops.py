@@ -134,10 +134,14 @@ def verify_tree_greedy_cpu(
     first_child = retrive_next_token.tolist()
     next_sibling = retrive_next_sibling.tolist()
     target = target_predict.reshape(-1).tolist()
-    flat_predicts = predicts.view(-1)
+    # The walk runs on host lists and writes each output once: a tensor store per node costs more than
+    # the whole walk.
+    paths = accept_index.tolist()
+    counts = []
+    predicted_at = []
     for b in range(bs):
         last = index[b][0]
-        accept_index[b, 0] = last
+        paths[b][0] = last
         accepted = 0
         node = 0
         for _ in range(1, max_path):
@@ -146,12 +150,16 @@ def verify_tree_greedy_cpu(
                 node = next_sibling[b][node]
             if node == -1:
                 break
-            flat_predicts[last] = target[last]
+            predicted_at.append(last)
             accepted += 1
             last = index[b][node]
-            accept_index[b, accepted] = last
-        accept_token_num[b] = accepted
-        flat_predicts[last] = target[last]
+            paths[b][accepted] = last
+        counts.append(accepted)
+        predicted_at.append(last)
+    accept_index.copy_(torch.tensor(paths, dtype=accept_index.dtype))
+    accept_token_num[:bs] = torch.tensor(counts, dtype=accept_token_num.dtype)
+    at = torch.tensor(predicted_at, dtype=torch.int64)
+    predicts.view(-1)[at] = target_predict.reshape(-1).to(torch.int64)[at].to(predicts.dtype)
 
 
 def fill_accept_out_cache_loc_cpu(

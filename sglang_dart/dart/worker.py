@@ -192,13 +192,13 @@ class DartWorker(NGRAMWorker):
             rows.append(torch.cat((prefix, tree), dim=1).flatten())
         return torch.cat(rows)
 
-    def _prepare_for_speculative_decoding(self, batch: Any) -> None:
+    def _prepare_for_speculative_decoding(self, batch: Any, size: int | None = None) -> None:
         """Turn a decode batch into a TARGET_VERIFY batch over this step's trees (NGRAM's verify layout,
         sized per step instead of per server)."""
         if not batch.forward_mode.is_decode():
             return
         bs = len(batch.reqs)
-        size = self._step_size(batch)
+        size = self._step_size(batch) if size is None else size
         with self.timer.phase("prune"):
             tokens, mask = self._trees(batch, size)
         draft_tokens = torch.from_numpy(tokens).to(self.device)
@@ -275,16 +275,17 @@ class DartWorker(NGRAMWorker):
         self,
         batch: Any,
         taps: torch.Tensor,
-        accept_index: torch.Tensor,
-        accept_lens: torch.Tensor,
-        predict: torch.Tensor,
+        drafts: list[int],
+        accept_rows: list[list[int]],
+        lens: list[int],
+        predicted: list[int],
     ) -> None:
+        """Store the draft state of the tokens a step committed and draft from them. drafts: the verified
+        tokens (flat); accept_rows[i][: lens[i]]: request i's accepted rows of them, root first;
+        predicted: the target's token after each row. The per-request walk runs on host lists (a tensor
+        op per request would cost more than a root-only step saves at large batches)."""
         runner = self.runner
         rpi = batch.req_pool_indices
-        # Host copies once: the per-request walk below is plain Python (a tensor op per request would
-        # cost more than a root-only step saves at large batches).
-        drafts = batch.spec_info.draft_token.view(-1).tolist()
-        accept_rows, lens, predicted = accept_index.tolist(), accept_lens.tolist(), predict.tolist()
         firsts, lasts, nexts, roots, contexts, paths, slot_rows, slot_cols = [], [], [], [], [], [], [], []
         for i, (req, committed, row) in enumerate(
             zip(batch.reqs, batch.seq_lens.tolist(), rpi.tolist(), strict=True)
@@ -321,8 +322,12 @@ class DartWorker(NGRAMWorker):
     def forward_batch_generation(self, batch: Any, on_publish: Any = None) -> GenerationBatchResult:
         bs = len(batch.reqs)
         size = self.draft_token_num  # the result stride: this step's tree size after a verify
-        with self.timer.phase("prepare"):
-            self._prepare_for_speculative_decoding(batch)
+        if batch.forward_mode.is_decode():
+            step_size = self._step_size(batch)
+            if step_size == 1 and not batch.has_grammar and not batch.return_logprob:
+                return self._root_only_step(batch, on_publish)
+            with self.timer.phase("prepare"):
+                self._prepare_for_speculative_decoding(batch, step_size)
         if batch.forward_mode.is_target_verify():
             size = batch.spec_info.draft_token_num
             with self.timer.phase("verify"):
@@ -353,7 +358,14 @@ class DartWorker(NGRAMWorker):
                 compute_spec_v2_logprobs(batch, logits_output, predict, accept_index, size - 1)
             if on_publish is not None:
                 on_publish(new_seq_lens)
-            self._draft_after_verify(batch, taps, accept_index, accept_lens, predict)
+            self._draft_after_verify(
+                batch,
+                taps,
+                verify_input.draft_token.view(-1).tolist(),
+                accept_index.tolist(),
+                accept_lens.tolist(),
+                predict.tolist(),
+            )
             self._forget_departed(batch)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
@@ -388,6 +400,61 @@ class DartWorker(NGRAMWorker):
                 accept_lens=accept_lens,
             ),
             speculative_num_draft_tokens=size,
+        )
+
+    def _root_only_step(self, batch: Any, on_publish: Any) -> GenerationBatchResult:
+        """A step that verifies the roots alone is a plain decode step: run it as SGLang's own DECODE
+        forward and sampler (no tree plumbing, no acceptance walk, no KV moves: the root's KV lands in its
+        final slot), capturing the taps so the draft state stays complete. Grammar-constrained and
+        logprob batches take the size-1 verify path instead, where the worker applies the grammar mask and
+        computes logprobs in the layout spec decoding reports them in."""
+        bs = len(batch.reqs)
+        committed = batch.seq_lens
+        roots = [_last_tokens(req, 1)[0] for req in batch.reqs]
+        with self.timer.phase("prepare"):
+            batch.input_ids = torch.tensor(roots, dtype=torch.int64, device=self.device)
+            req_to_token = batch.req_to_token_pool.req_to_token
+            batch.out_cache_loc = req_to_token[batch.req_pool_indices, committed].to(torch.int64)
+            # Decode counts the new token in seq_lens; the scheduler restores the batch after the step.
+            batch.seq_lens = committed + 1
+            if batch.seq_lens_cpu is not None:
+                batch.seq_lens_cpu = batch.seq_lens_cpu + 1
+                batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+            if getattr(batch, "orig_seq_lens", None) is not None:
+                batch.orig_seq_lens = batch.orig_seq_lens + 1
+            batch.spec_info = None  # a plain forward: no tree mask, no draft positions
+        with self.timer.phase("verify"):
+            result = self.target_worker.forward_batch_generation(
+                batch, capture_hidden_mode=CaptureHiddenMode.FULL
+            )
+        next_token_ids = result.next_token_ids
+        new_seq_lens = committed + 1
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        self._draft_after_verify(
+            batch,
+            result.logits_output.hidden_states,
+            roots,
+            [[i] for i in range(bs)],
+            [1] * bs,
+            next_token_ids.tolist(),
+        )
+        self._forget_departed(batch)
+        self.timer.step_done(bs)
+        return GenerationBatchResult(
+            logits_output=result.logits_output,
+            next_token_ids=next_token_ids,
+            can_run_cuda_graph=result.can_run_cuda_graph,
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=NgramVerifyInput(
+                draft_token_num=self.draft_token_num,
+                new_seq_lens=new_seq_lens,
+                accept_tokens=self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten(),
+                accept_lens=accept_lens,
+            ),
+            speculative_num_draft_tokens=1,
         )
 
     def _widen(self, rows: torch.Tensor) -> torch.Tensor:

@@ -96,17 +96,17 @@ def _first_tokens(server: SglangServer, prompt: str, samples: int, length: int) 
     return [o["output_ids"] for o in out]
 
 
-def test_sampling_keeps_the_target_distribution(qwen3_plain, qwen3_dart):
-    """Two-sample chi-square homogeneity test on each of the first 3 sampled tokens (the 2nd and 3rd come
-    out of tree verification). Each test at alpha = 1e-3; family-wise false-alarm rate <= 0.3%."""
+def _assert_same_first_tokens(plain: SglangServer, spec: SglangServer) -> None:
+    """Two-sample chi-square homogeneity test on each of the first 3 sampled tokens. Each test at
+    alpha = 1e-3; family-wise false-alarm rate <= 0.3%."""
     from scipy.stats import chi2_contingency
 
     samples, length, prompt = 600, 3, "def parse(line):"
-    plain = _first_tokens(qwen3_plain, prompt, samples, length)
-    spec = _first_tokens(qwen3_dart, prompt, samples, length)
+    plain_out = _first_tokens(plain, prompt, samples, length)
+    spec_out = _first_tokens(spec, prompt, samples, length)
     for pos in range(length):
-        a = [o[pos] for o in plain]
-        b = [o[pos] for o in spec]
+        a = [o[pos] for o in plain_out]
+        b = [o[pos] for o in spec_out]
         tokens = sorted(set(a) | set(b))
         table = [[a.count(t) for t in tokens], [b.count(t) for t in tokens]]
         # Merge rare tokens so every expected count is >= 5 (the test's validity condition).
@@ -120,6 +120,12 @@ def test_sampling_keeps_the_target_distribution(qwen3_plain, qwen3_dart):
         assert len(merged[0]) >= 2, f"position {pos}: distribution too peaked to test"
         p_value = chi2_contingency(merged).pvalue
         assert p_value > 1e-3, f"position {pos}: p = {p_value:.2e}, tables {merged}"
+
+
+def test_sampling_keeps_the_target_distribution(qwen3_plain, qwen3_dart):
+    """The 2nd and 3rd sampled tokens come out of tree verification; all three must be distributed as
+    plain sampling's."""
+    _assert_same_first_tokens(qwen3_plain, qwen3_dart)
 
 
 def test_sampled_logprobs_are_the_targets(tiny_qwen3_dir, qwen3_dart):
@@ -333,6 +339,42 @@ def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, serv
     small = [tau for bs, tau in steps if bs <= 2]
     assert big and all(tau == 1.0 for tau in big), steps
     assert small and max(small) > 1.0, steps
+
+
+def test_root_only_steps_are_plain_decoding(
+    tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs, monkeypatch
+):
+    """Schedule 1:1, every step verifies the roots alone. Such steps run as SGLang's own decode forward
+    and sampler, except for batches with logprobs or a grammar, which take the size-1 verify path. Both
+    must match the plain server: greedy tokens, sampled distribution, logprobs, constrained output."""
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:1")
+    args = [*_dart_args(*qwen3_assets), *SEED]
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-root-only.log").start()
+    try:
+        prompts = many_prompts(16)
+        reference = [out["output_ids"] for out in _run_all(qwen3_plain, prompts, 4)]
+        speculative = _run_all(server, prompts, 4)
+        for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
+            assert spec["output_ids"] == ref, prompt
+            assert spec["meta_info"]["spec_verify_ct"] > 0
+            assert spec["meta_info"]["spec_num_correct_drafts"] == 0  # roots only, nothing drafted
+        _assert_same_first_tokens(qwen3_plain, server)
+
+        greedy = {"max_new_tokens": 16, "temperature": 0.0}
+        for prompt in prompts[:4]:
+            payload = {"text": prompt, "sampling_params": greedy, "return_logprob": True}
+            spec, ref = server.generate(payload), qwen3_plain.generate(payload)
+            assert spec["output_ids"] == ref["output_ids"]
+            got = [lp for lp, _, _ in spec["meta_info"]["output_token_logprobs"]]
+            want = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
+            assert got == pytest.approx(want, abs=2e-3), prompt
+        constrained = {**greedy, "max_new_tokens": 32, "regex": r"(yes|no), [a-z]{2,6}\."}
+        for prompt in prompts[:3]:
+            payload = {"text": prompt, "sampling_params": constrained}
+            assert server.generate(payload)["output_ids"] == qwen3_plain.generate(payload)["output_ids"]
+        assert server.healthy()
+    finally:
+        server.stop()
 
 
 def _check_observability(outputs: list[dict], metrics: str, log: str) -> None:
