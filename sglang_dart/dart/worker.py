@@ -9,8 +9,9 @@ prefill runs the target, then the draft over the prompt, so every request enters
 The tree size follows the batch size (`tree_sizes.py`): all requests of a step verify the same number of
 tokens, at most `--speculative-num-draft-tokens`, root first, with an ancestor mask, on SGLang's NGRAM
 verify path (DART reports `is_ngram()`), whose result processing reads the stride from each step's result.
-At size 1 a step verifies the root alone (a plain decode step) and skips the draft forward; the draft K/V
-of the accepted tokens is still stored, so drafting can resume at any later step.
+At size 1 a step verifies the root alone: it runs as SGLang's own decode forward and sampler (or as a
+size-1 verify when the batch has logprobs or a grammar) and skips the draft forward; the draft K/V of the
+accepted tokens is still stored, so drafting can resume at any later step.
 """
 
 from __future__ import annotations
