@@ -10,7 +10,7 @@ The tree size follows the batch size (`tree_sizes.py`): all requests of a step v
 tokens, at most `--speculative-num-draft-tokens`, root first, with an ancestor mask, on SGLang's NGRAM
 verify path (DART reports `is_ngram()`), whose result processing reads the stride from each step's result.
 At size 1 a step verifies the root alone: it runs as SGLang's own decode forward and sampler (or as a
-size-1 verify when the batch has logprobs or a grammar) and skips the draft forward; the draft K/V of the
+size-1 verify with decode graphs, logprobs or a grammar) and skips the draft forward; the draft K/V of the
 accepted tokens is still stored, so drafting can resume at any later step.
 """
 
@@ -325,7 +325,7 @@ class DartWorker(NGRAMWorker):
         size = self.draft_token_num  # the result stride: this step's tree size after a verify
         if batch.forward_mode.is_decode():
             step_size = self._step_size(batch)
-            if step_size == 1 and not batch.has_grammar and not batch.return_logprob:
+            if step_size == 1 and self._plain_decode_fits(batch):
                 return self._root_only_step(batch, on_publish)
             with self.timer.phase("prepare"):
                 self._prepare_for_speculative_decoding(batch, step_size)
@@ -402,6 +402,13 @@ class DartWorker(NGRAMWorker):
             ),
             speculative_num_draft_tokens=size,
         )
+
+    def _plain_decode_fits(self, batch: Any) -> bool:
+        """Whether a root-only step can run as a plain decode forward. Not with decode graphs: a spec
+        server captures them for verify batches, and a decode batch of the same size would replay one.
+        Not with a grammar or logprobs, which the verify path handles."""
+        graphs = getattr(self.model_runner, "decode_cuda_graph_runner", None)
+        return graphs is None and not batch.has_grammar and not batch.return_logprob
 
     def _root_only_step(self, batch: Any, on_publish: Any) -> GenerationBatchResult:
         """A step that verifies the roots alone is a plain decode step: run it as SGLang's own DECODE
