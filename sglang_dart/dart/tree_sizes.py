@@ -3,7 +3,7 @@
 A verify step costs about the same as a plain decode step while the batch is small (weights are read once
 for all its tokens), but once the hardware is busy it costs in proportion to batch size × tree size, and a
 big tree at a big batch makes DART slower than plain decoding. The schedule shrinks the tree as the batch
-grows, down to 1 (the root alone: a plain decode step through the verify path, no draft forward).
+grows, down to 1 (the root alone: a plain decode step, no draft forward).
 
 Written as `min_batch:size` pairs, e.g. `1:8,4:4,8:1`: batches of 1-3 requests verify 8 tokens each, 4-7
 verify 4, 8 and more verify the root only. `fixed` keeps the server's --speculative-num-draft-tokens at
@@ -71,10 +71,10 @@ class TreeSizeSchedule:
 # Defaults when neither the environment nor the drafter's config names a schedule.
 # CPU: measured with SmolLM2-135M on 2 cores (benchmarks/results/throughput.md, run 5): trees of 8 win at
 # batch 1-2 (about 2x and 1.1x); from batch 4 on every tree size measured (8, 4) lost to plain decoding.
-# CUDA: not measured here. It follows the shape of SGLang's own --speculative-adaptive defaults (shorter
-# drafts from batch 8, shorter still from 32, none from 64).
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", "cuda": "1:64,8:16,32:4,64:1"}
-
+# CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
+# request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
+# schedule there is the user's call until one is measured.
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:1"}
 
 def default_schedule(device: str, max_size: int) -> TreeSizeSchedule:
     return TreeSizeSchedule.parse(DEFAULT_SCHEDULES.get(device, FIXED), max_size)

@@ -40,12 +40,12 @@ def test_malformed_schedules_are_refused(text, message):
         TreeSizeSchedule.parse(text, max_size=8)
 
 
-def test_defaults_shrink_with_batch_size_and_unknown_devices_are_fixed():
-    for device in ("cpu", "cuda"):
-        schedule = default_schedule(device, max_size=16)
-        sizes = [schedule.size_for(bs) for bs in range(1, 129)]
-        assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1 and sizes[-1] == 1
-    assert default_schedule("xpu", max_size=16).sizes == (16,)
+def test_cpu_default_shrinks_with_batch_size_and_other_devices_are_fixed():
+    schedule = default_schedule("cpu", max_size=16)
+    sizes = [schedule.size_for(bs) for bs in range(1, 129)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1 and sizes[-1] == 1
+    for device in ("cuda", "xpu"):  # CUDA: decode graphs are captured for N tokens per request only
+        assert default_schedule(device, max_size=16).sizes == (16,)
 
 
 def _server_args(tmp_path, config: dict) -> SimpleNamespace:
