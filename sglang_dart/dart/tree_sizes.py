@@ -76,5 +76,6 @@ class TreeSizeSchedule:
 # schedule there is the user's call until one is measured.
 DEFAULT_SCHEDULES = {"cpu": "1:8,4:1"}
 
+
 def default_schedule(device: str, max_size: int) -> TreeSizeSchedule:
     return TreeSizeSchedule.parse(DEFAULT_SCHEDULES.get(device, FIXED), max_size)
