@@ -276,21 +276,21 @@ class DartWorker(NGRAMWorker):
         self,
         batch: Any,
         taps: torch.Tensor,
+        committed_lens: list[int],
         drafts: list[int],
         accept_rows: list[list[int]],
         lens: list[int],
         predicted: list[int],
     ) -> None:
-        """Store the draft state of the tokens a step committed and draft from them. drafts: the verified
-        tokens (flat); accept_rows[i][: lens[i]]: request i's accepted rows of them, root first;
-        predicted: the target's token after each row. The per-request walk runs on host lists (a tensor
+        """Store the draft state of the tokens a step committed and draft from them. committed_lens: each
+        request's KV length before the step (its root's position); drafts: the verified tokens (flat);
+        accept_rows[i][: lens[i]]: request i's accepted rows of them, root first; predicted: the target's
+        token after each row. The per-request walk runs on host lists (a tensor
         op per request would cost more than a root-only step saves at large batches)."""
         runner = self.runner
         rpi = batch.req_pool_indices
         firsts, lasts, nexts, roots, contexts, paths, slot_rows, slot_cols = [], [], [], [], [], [], [], []
-        for i, (req, committed, row) in enumerate(
-            zip(batch.reqs, batch.seq_lens.tolist(), rpi.tolist(), strict=True)
-        ):
+        for i, (req, committed, row) in enumerate(zip(batch.reqs, committed_lens, rpi.tolist(), strict=True)):
             path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
             paths.extend(path)
             slot_rows.extend([row] * len(path))
@@ -362,6 +362,7 @@ class DartWorker(NGRAMWorker):
             self._draft_after_verify(
                 batch,
                 taps,
+                batch.seq_lens.tolist(),
                 verify_input.draft_token.view(-1).tolist(),
                 accept_index.tolist(),
                 accept_lens.tolist(),
@@ -443,6 +444,7 @@ class DartWorker(NGRAMWorker):
         self._draft_after_verify(
             batch,
             result.logits_output.hidden_states,
+            committed.tolist(),  # not batch.seq_lens: the decode forward counts the root in it
             roots,
             [[i] for i in range(bs)],
             [1] * bs,
