@@ -18,6 +18,8 @@ for _var in ("SGLANG_USE_CPU_ENGINE", "SGLANG_DART_CPU"):
 # the lossless checks at batch 16 exercise tree verification, not the root-only steps that a batch-size
 # schedule would switch to.
 os.environ["SGLANG_DART_TREE_SIZES"] = "fixed"
+# DART servers assert their bookkeeping invariants every step (sglang_dart/dart/worker.py).
+os.environ["SGLANG_DART_CHECKS"] = "1"
 
 
 @pytest.fixture(scope="session")

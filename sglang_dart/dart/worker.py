@@ -17,6 +17,7 @@ accepted tokens is still stored, so drafting can resume at any later step.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,12 +47,27 @@ from sglang_dart.pruner import prune_batch
 
 logger = logging.getLogger(__name__)
 
+# SGLANG_DART_CHECKS=1 (the tests set it): assert bookkeeping invariants every step; a broken one ends the
+# server instead of quietly degrading the drafts (which would cost speed, never correctness).
+CHECKS_ENV = "SGLANG_DART_CHECKS"
+
 
 def _last_tokens(req: Any, n: int) -> list[int]:
     """The last n tokens of prompt + output, without copying the whole sequence."""
     tail = list(req.output_ids[-n:])
     missing = n - len(tail)
     return (list(req.origin_input_ids[-missing:]) if missing else []) + tail
+
+
+def _check_roots_follow_the_cache(reqs: list[Any], committed_lens: list[int]) -> None:
+    """Every token but a request's newest (the root) has its KV committed: the root sits at the committed
+    length, where the draft state of this step's tokens starts."""
+    for req, committed in zip(reqs, committed_lens, strict=True):
+        tokens = len(req.origin_input_ids) + len(req.output_ids)
+        if committed != tokens - 1:
+            raise AssertionError(
+                f"DART: request {req.rid} has {tokens} tokens but a committed KV length of {committed}"
+            )
 
 
 @dataclass(frozen=True)
@@ -100,6 +116,7 @@ class DartWorker(NGRAMWorker):
         self.eos_ids = sorted({int(t) for t in (eos if not isinstance(eos, int) else [eos])})
         self._candidates: dict[str, DraftCandidates] = {}
         self.runner: DraftRunner | None = None
+        self.checks = os.environ.get(CHECKS_ENV) == "1"
 
     def _check_store(self, tokenizer: Any, vocab: int) -> None:
         path = self.server_args.speculative_ngram_external_corpus_path
@@ -289,6 +306,8 @@ class DartWorker(NGRAMWorker):
         op per request would cost more than a root-only step saves at large batches)."""
         runner = self.runner
         rpi = batch.req_pool_indices
+        if self.checks:
+            _check_roots_follow_the_cache(batch.reqs, committed_lens)
         firsts, lasts, nexts, roots, contexts, paths, slot_rows, slot_cols = [], [], [], [], [], [], [], []
         for i, (req, committed, row) in enumerate(zip(batch.reqs, committed_lens, rpi.tolist(), strict=True)):
             path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
