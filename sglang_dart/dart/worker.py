@@ -408,8 +408,21 @@ class DartWorker(NGRAMWorker):
             if bs:
                 self._draft_after_extend(batch, logits_output.hidden_states, next_token_ids)
 
+        return self._step_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, size)
+
+    def _step_result(
+        self,
+        result: GenerationBatchResult,
+        next_token_ids: torch.Tensor,
+        accept_tokens: torch.Tensor,
+        accept_lens: torch.Tensor,
+        new_seq_lens: torch.Tensor,
+        size: int,
+    ) -> GenerationBatchResult:
+        """What the scheduler's spec-v2 result processing reads: accept_tokens padded to the server's
+        stride N, and this step's tree size as the stride it walks them with."""
         return GenerationBatchResult(
-            logits_output=logits_output,
+            logits_output=result.logits_output,
             next_token_ids=next_token_ids,
             can_run_cuda_graph=result.can_run_cuda_graph,
             accept_lens=accept_lens,
@@ -471,20 +484,8 @@ class DartWorker(NGRAMWorker):
         )
         self._forget_departed(batch)
         self.timer.step_done(bs)
-        return GenerationBatchResult(
-            logits_output=result.logits_output,
-            next_token_ids=next_token_ids,
-            can_run_cuda_graph=result.can_run_cuda_graph,
-            accept_lens=accept_lens,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=NgramVerifyInput(
-                draft_token_num=self.draft_token_num,
-                new_seq_lens=new_seq_lens,
-                accept_tokens=self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten(),
-                accept_lens=accept_lens,
-            ),
-            speculative_num_draft_tokens=1,
-        )
+        accept_tokens = self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten()
+        return self._step_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, 1)
 
     def _widen(self, rows: torch.Tensor) -> torch.Tensor:
         """Accepted tokens [bs, size] padded with zeros to the server's stride [bs, N]."""
