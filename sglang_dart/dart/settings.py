@@ -5,7 +5,8 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
 - 3-gram store: `--speculative-ngram-external-corpus-path` (built by `python -m sglang_dart.ngram build`);
 - tree size N, root included: `--speculative-num-draft-tokens` (default 16), the largest tree a step
   verifies; the tree shrinks as the batch grows (`tree_sizes.py`) by `SGLANG_DART_TREE_SIZES`, else the
-  drafter config's `dart_tree_sizes`, else a default for the device (`fixed`: always N);
+  drafter config's `dart_tree_sizes`, else a default for the device (`fixed`: always N; `auto`: chosen from
+  measured step times, `adaptive_sizes.py`);
 - candidates per depth k: `--speculative-eagle-topk` (default 8). SGLang reserves KV per request and step
   for `num_steps × topk` tokens, while a DART step writes exactly N, so at start-up k moves to the
   environment variable `SGLANG_DART_TOPK` (inherited by the scheduler processes) and the flag becomes 1;
@@ -25,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sglang_dart.dart.adaptive_sizes import AUTO, AdaptiveTreeSizes
 from sglang_dart.dart.tree_sizes import TreeSizeSchedule, TreeSizesError, default_schedule
 from sglang_dart.drafter import DraftConfig, DraftConfigError
 from sglang_dart.pruner import PrunerConfig
@@ -56,12 +58,14 @@ def _draft_config_json(server_args: Any) -> dict[str, Any]:
     return json.loads((Path(server_args.speculative_draft_model_path) / "config.json").read_text())
 
 
-def tree_size_schedule(server_args: Any) -> TreeSizeSchedule:
+def tree_size_schedule(server_args: Any) -> TreeSizeSchedule | AdaptiveTreeSizes:
     """Tree size by batch size, capped at --speculative-num-draft-tokens."""
     largest = server_args.speculative_num_draft_tokens
     text = os.environ.get(TREE_SIZES_ENV, _draft_config_json(server_args).get(TREE_SIZES_KEY))
     if text is None:
         return default_schedule(server_args.device, largest)
+    if str(text).strip().lower() == AUTO:
+        return AdaptiveTreeSizes(largest)
     try:
         return TreeSizeSchedule.parse(str(text), largest)
     except TreeSizesError as exc:

@@ -64,6 +64,9 @@ class TreeSizeSchedule:
     def max_size(self) -> int:
         return max(self.sizes)
 
+    def record(self, batch_size: int, size: int, seconds: float, tokens: int) -> None:
+        """A fixed schedule learns nothing from step times (the adaptive one does)."""
+
     def describe(self) -> str:
         return ",".join(f"{b}:{s}" for b, s in zip(self.min_batches, self.sizes, strict=True))
 

@@ -6,9 +6,11 @@ greedy/target-only acceptance and KV bookkeeping by SGLang's own helpers, then o
 over the accepted tokens + mask slots and one top-k + softmax, whose candidates the next step prunes. A
 prefill runs the target, then the draft over the prompt, so every request enters decoding with candidates.
 
-The tree size follows the batch size (`tree_sizes.py`): all requests of a step verify the same number of
-tokens, at most `--speculative-num-draft-tokens`, root first, with an ancestor mask, on SGLang's NGRAM
-verify path (DART reports `is_ngram()`), whose result processing reads the stride from each step's result.
+The tree size follows the batch size (`tree_sizes.py`) or measured throughput (`adaptive_sizes.py`); the
+next step's size is chosen at the end of a step, which runs the draft forward only for a tree. All requests
+of a step verify the same number of tokens, at most `--speculative-num-draft-tokens`, root first, with an
+ancestor mask, on SGLang's NGRAM verify path (DART reports `is_ngram()`), whose result processing reads
+the stride from each step's result.
 At size 1 a step verifies the root alone: it runs as SGLang's own decode forward and sampler (or as a
 size-1 verify with decode graphs, logprobs or a grammar) and skips the draft forward; the draft K/V of the
 accepted tokens is still stored, so drafting can resume at any later step.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +40,7 @@ from sglang.srt.speculative.spec_utils import (
     move_accept_tokens_to_target_kvcache,
 )
 
+from sglang_dart.dart.adaptive_sizes import StepClock
 from sglang_dart.dart.draft_runner import DraftRunner
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.sampling import pin_logits_to_samples
@@ -112,6 +116,9 @@ class DartWorker(NGRAMWorker):
         self.pruner_config = pruner_config(server_args)
         self.tree_sizes = tree_size_schedule(server_args)
         logger.info("DART tree size by batch size: %s", self.tree_sizes.describe())
+        self.step_clock = StepClock()  # step times for an adaptive schedule
+        self._planned_size: int | None = None  # chosen when the step before drafted (or did not)
+        self._drafting_seconds = 0.0
         eos = getattr(model_config, "hf_eos_token_id", None) or []
         self.eos_ids = sorted({int(t) for t in (eos if not isinstance(eos, int) else [eos])})
         self._candidates: dict[str, DraftCandidates] = {}
@@ -157,7 +164,7 @@ class DartWorker(NGRAMWorker):
     def _step_size(self, batch: Any) -> int:
         """This step's tree size: the schedule's for the batch size, or 1 (the root alone) when some request
         has no current candidates, e.g. the step after one that drafted nothing."""
-        size = self.tree_sizes.size_for(len(batch.reqs))
+        size = self._planned_size or self.tree_sizes.size_for(len(batch.reqs))
         if size > 1:
             for req in batch.reqs:
                 cand = self._candidates.get(req.rid)
@@ -323,29 +330,42 @@ class DartWorker(NGRAMWorker):
             history = _last_tokens(req, 2)
             contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
         slots = runner.req_to_token[torch.tensor(slot_rows), torch.tensor(slot_cols)].to(torch.int64)
-        draft = self.tree_sizes.size_for(len(batch.reqs)) > 1  # else next step verifies roots alone
+        # The next step's size is chosen now: a root-only step needs no draft forward.
+        self._planned_size = self.tree_sizes.size_for(len(batch.reqs))
+        draft = self._planned_size > 1
         with self.timer.phase("draft"):
             runner.store_residuals(slots, taps[torch.tensor(paths, device=taps.device)])  # one write
             next_tokens = torch.tensor(nexts, dtype=torch.int64)
+            drafting_from = time.perf_counter()
             if draft:
                 logits = runner.step(rpi, firsts, lasts, next_tokens)
             else:
                 runner.store_entries(rpi, firsts, lasts, next_tokens)
         if draft:
             self._keep_candidates(batch, logits, roots, contexts)
+            self._drafting_seconds = time.perf_counter() - drafting_from
         else:
+            self._drafting_seconds = 0.0
             for req in batch.reqs:
                 self._candidates.pop(req.rid, None)
 
     # --- one scheduler step ----------------------------------------------------------------------------
 
     def forward_batch_generation(self, batch: Any, on_publish: Any = None) -> GenerationBatchResult:
+        started = time.perf_counter()
         bs = len(batch.reqs)
         size = self.draft_token_num  # the result stride: this step's tree size after a verify
         if batch.forward_mode.is_decode():
+            finished = self.step_clock.start(started)
+            if finished is not None:
+                self.tree_sizes.record(*finished)
+        else:
+            self.step_clock.interrupt()
+            self._planned_size = None
+        if batch.forward_mode.is_decode():
             step_size = self._step_size(batch)
             if step_size == 1 and self._plain_decode_fits(batch):
-                return self._root_only_step(batch, on_publish)
+                return self._root_only_step(batch, on_publish, started)
             with self.timer.phase("prepare"):
                 self._prepare_for_speculative_decoding(batch, step_size)
         if batch.forward_mode.is_target_verify():
@@ -388,6 +408,7 @@ class DartWorker(NGRAMWorker):
                 predict.tolist(),
             )
             self._forget_departed(batch)
+            self.step_clock.finish(started, bs, size, int(accept_lens.sum()), self._drafting_seconds)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
             # The batch keeps its spec input across filters and merges with freshly prefilled requests,
@@ -443,7 +464,7 @@ class DartWorker(NGRAMWorker):
         graphs = getattr(self.model_runner, "decode_cuda_graph_runner", None)
         return graphs is None and not batch.has_grammar and not batch.return_logprob
 
-    def _root_only_step(self, batch: Any, on_publish: Any) -> GenerationBatchResult:
+    def _root_only_step(self, batch: Any, on_publish: Any, started: float) -> GenerationBatchResult:
         """A step that verifies the roots alone is a plain decode step: run it as SGLang's own DECODE
         forward and sampler (no tree plumbing, no acceptance walk, no KV moves: the root's KV lands in its
         final slot), capturing the taps so the draft state stays complete. Grammar-constrained and
@@ -483,6 +504,7 @@ class DartWorker(NGRAMWorker):
             next_token_ids.tolist(),
         )
         self._forget_departed(batch)
+        self.step_clock.finish(started, bs, 1, bs, self._drafting_seconds)
         self.timer.step_done(bs)
         accept_tokens = self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten()
         return self._step_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, 1)

@@ -341,6 +341,37 @@ def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, serv
     assert small and max(small) > 1.0, steps
 
 
+def test_adaptive_tree_size_stays_lossless(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch):
+    """SGLANG_DART_TREE_SIZES=auto measures every candidate size (1, 2, 4, 8) in each batch-size bucket
+    before it settles, so a run whose batch shrinks from 12 to 1 switches between root-only steps (accept
+    length exactly 1) and trees (accept length > 1) many times; every output must still be the target's."""
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "auto")
+    prompts, outputs, dart_args = own_store_assets
+    args = [*dart_args, "--decode-log-interval", "1"]
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes-auto.log").start()
+    lengths = [4 + 4 * i for i in range(12)]
+    try:
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            results = list(
+                pool.map(
+                    lambda p, n: server.generate(
+                        {"text": p, "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}
+                    ),
+                    prompts[:12],
+                    lengths,
+                )
+            )
+        log = server.log_text()
+        assert server.healthy()
+    finally:
+        server.stop()
+    for out, ref, n in zip(results, outputs[:12], lengths, strict=True):
+        assert out["output_ids"] == ref["output_ids"][:n]
+    assert "DART tree size by batch size: auto" in log
+    taus = [float(tau) for _, tau in _DECODE_LINE.findall(log)]
+    assert any(tau == 1.0 for tau in taus) and any(tau > 1.0 for tau in taus), taus
+
+
 def test_root_only_steps_are_plain_decoding(
     tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs, monkeypatch
 ):

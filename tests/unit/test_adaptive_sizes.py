@@ -1,0 +1,112 @@
+"""The adaptive tree size (`SGLANG_DART_TREE_SIZES=auto`): it must settle on whatever size gives the most
+tokens per second on the machine it runs on, per batch-size bucket, and keep checking its neighbours."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_dart.dart.adaptive_sizes import AdaptiveTreeSizes, StepClock, bucket_of, candidate_sizes
+from sglang_dart.dart.settings import tree_size_schedule
+
+
+def _run(chooser: AdaptiveTreeSizes, batch_size: int, steps: int, seconds, tokens) -> Counter:
+    """Drive the chooser as the worker does: pick, run (cost model), record. Returns the sizes picked."""
+    picked: Counter = Counter()
+    for _ in range(steps):
+        size = chooser.size_for(batch_size)
+        picked[size] += 1
+        chooser.record(batch_size, size, seconds(batch_size, size), tokens(batch_size, size))
+    return picked
+
+
+def _accepts(batch_size: int, size: int) -> float:
+    # Tokens per request grow with the tree and saturate: 1, 1.5, 2.0, 2.4, 2.6 for sizes 1..16.
+    return batch_size * {1: 1.0, 2: 1.5, 4: 2.0, 8: 2.4, 16: 2.6}[size]
+
+
+def test_candidates_and_buckets():
+    assert candidate_sizes(16) == (1, 2, 4, 8, 16)
+    assert candidate_sizes(12) == (1, 2, 4, 8, 12)
+    assert candidate_sizes(1) == (1,)
+    assert [bucket_of(bs) for bs in (0, 1, 2, 3, 4, 7, 8, 16)] == [0, 0, 1, 1, 2, 2, 3, 4]
+
+
+def test_trees_win_where_extra_rows_are_nearly_free():
+    chooser = AdaptiveTreeSizes(16, explore_every=50)
+
+    def flat_cost(bs: int, size: int) -> float:  # a memory-bound step: rows cost little
+        return 0.050 * (1 + 0.005 * bs * size)
+
+    picked = _run(chooser, 1, 400, flat_cost, _accepts)
+    assert chooser.best(1) == 16
+    assert picked[16] > 0.9 * 400
+
+
+def test_root_only_wins_where_cost_is_linear_in_rows():
+    chooser = AdaptiveTreeSizes(16, explore_every=50)
+
+    def linear_cost(bs: int, size: int) -> float:  # a compute-bound step (bf16 without bf16 units)
+        return 0.010 * bs * size
+
+    picked = _run(chooser, 1, 400, linear_cost, _accepts)
+    assert chooser.best(1) == 1
+    # Warm-up (2 steps per size) plus one neighbour probe per 50 steps: everything else is size 1.
+    assert picked[1] >= 400 - 2 * 5 - 400 // 50
+
+
+def test_buckets_choose_independently():
+    chooser = AdaptiveTreeSizes(8)
+
+    def busy_at_large_batches(bs: int, size: int) -> float:
+        return 0.05 if bs * size <= 8 else 0.05 * bs * size / 8
+
+    _run(chooser, 1, 200, busy_at_large_batches, _accepts)
+    _run(chooser, 16, 200, busy_at_large_batches, _accepts)
+    assert chooser.best(1) == 8
+    assert chooser.best(16) == 1
+    assert chooser.best(17) == 1  # same bucket as 16
+
+
+def test_it_follows_a_change_in_costs():
+    chooser = AdaptiveTreeSizes(8, explore_every=10)
+    _run(chooser, 1, 200, lambda bs, size: 0.05, _accepts)
+    assert chooser.best(1) == 8
+    # The drafter stops being accepted: every size now emits one token per step, and bigger trees cost more.
+    _run(chooser, 1, 400, lambda bs, size: 0.05 * (1 + 0.1 * size), lambda bs, size: 1.0)
+    assert chooser.best(1) == 1
+
+
+def test_steps_that_emitted_nothing_measurable_are_ignored():
+    chooser = AdaptiveTreeSizes(4, warmup=1)
+    chooser.record(1, 4, 0.0, 3)  # a zero interval (clock granularity) cannot be a rate
+    chooser.record(1, 3, 0.1, 3)  # not a candidate size: ignored
+    assert chooser.size_for(1) == 4  # still unmeasured, so still tried first
+    with pytest.raises(ValueError, match=">= 1"):
+        AdaptiveTreeSizes(0)
+
+
+def test_step_clock_moves_the_draft_forward_to_the_step_it_prepares():
+    clock = StepClock()
+    assert clock.start(0.0) is None
+    clock.finish(0.0, batch_size=1, size=1, tokens=1, drafting=0.3)  # root-only step that drafts for a tree
+    assert clock.start(1.0) == (1, 1, pytest.approx(0.7), 1)  # 1.0 s wall, 0.3 s of it for the next step
+    clock.finish(1.0, batch_size=1, size=8, tokens=3, drafting=0.0)
+    assert clock.start(3.0) == (1, 8, pytest.approx(2.3), 3)  # its own 2 s and the 0.3 s drafted for it
+    clock.finish(3.0, batch_size=1, size=1, tokens=1, drafting=0.0)
+    clock.interrupt()  # a prefill ran in between: that interval is not a decode step's
+    assert clock.start(9.0) is None
+
+
+def test_auto_is_read_from_the_environment(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    args = SimpleNamespace(
+        speculative_draft_model_path=str(tmp_path), speculative_num_draft_tokens=8, device="cpu"
+    )
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", " Auto ")
+    schedule = tree_size_schedule(args)
+    assert isinstance(schedule, AdaptiveTreeSizes)
+    assert schedule.sizes == (1, 2, 4, 8)
