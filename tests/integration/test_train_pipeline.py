@@ -65,7 +65,7 @@ def test_generate_train_serve(tiny_qwen3_dir, tmp_path, server_logs):
         "sglang_dart.train",
         "--target", str(tiny_qwen3_dir), "--data", str(data), "--out", str(draft),
         "--draft-length", "3", "--draft-vocab-size", "256", "--max-steps", "400",
-        "--anchors", "16", "--lr", "3e-3", "--no-bf16",
+        "--anchors", "16", "--lr", "3e-3", "--no-bf16", "--target-dtype", "float32",
     )  # fmt: skip
     config = json.loads((draft / "config.json").read_text())
     assert config["draft_length"] == 3 and config["draft_vocab_size"] == 256
