@@ -7,6 +7,8 @@ backend that supports speculative verify.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sys
 import types
 
@@ -41,6 +43,19 @@ def patch_jit_cflags() -> None:
     flags = ["-include", "cstddef"]
     if flags[1] not in jit_compile.DEFAULT_CFLAGS:
         jit_compile.DEFAULT_CFLAGS.extend(flags)
+
+
+def put_ninja_on_path() -> None:
+    """SGLang's JIT kernels (the NGRAM corpus among them) run `ninja` by name. The pinned `ninja` wheel
+    puts it in the virtualenv's bin directory, which is not on PATH when the server is started as
+    `.venv/bin/python -m sglang.launch_server` without activating the environment."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # SGLang reports the missing tool when a JIT build needs it
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def register_dart() -> None:
@@ -81,6 +96,7 @@ def register_dart() -> None:
 
 def register() -> None:
     register_dart()
+    put_ninja_on_path()
     from sglang_dart.cpu import detect
 
     if detect.cpu_engine_active():
