@@ -308,14 +308,9 @@ def test_drafts_are_accepted_when_the_store_knows_the_target(tiny_qwen3_dir, own
 _DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+)")
 
 
-def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch):
-    """Schedule 1:8,4:1: steps with 4 or more running requests verify the roots alone (accept length
-    exactly 1 in the per-step log line), smaller batches draft trees again (accept length > 1). Requests of
-    staggered lengths take the batch from 12 down to 1, through both switches, and stay lossless."""
-    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:8,4:1")
-    prompts, outputs, dart_args = own_store_assets
-    args = [*dart_args, "--decode-log-interval", "1"]
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes.log").start()
+def _staggered_lossless_run(server: SglangServer, prompts: list[str], outputs: list[dict]) -> str:
+    """12 concurrent greedy requests of 4, 8, ... 48 tokens, so the running batch shrinks from 12 to 1;
+    each output must be a prefix of the target's own. Stops the server; returns its log."""
     lengths = [4 + 4 * i for i in range(12)]  # up to the 48 tokens of the reference outputs
     try:
         with ThreadPoolExecutor(max_workers=12) as pool:
@@ -334,6 +329,18 @@ def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, serv
         server.stop()
     for out, ref, n in zip(results, outputs[:12], lengths, strict=True):
         assert out["output_ids"] == ref["output_ids"][:n]
+    return log
+
+
+def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch):
+    """Schedule 1:8,4:1: steps with 4 or more running requests verify the roots alone (accept length
+    exactly 1 in the per-step log line), smaller batches draft trees again (accept length > 1). Requests of
+    staggered lengths take the batch from 12 down to 1, through both switches, and stay lossless."""
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:8,4:1")
+    prompts, outputs, dart_args = own_store_assets
+    args = [*dart_args, "--decode-log-interval", "1"]
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes.log").start()
+    log = _staggered_lossless_run(server, prompts, outputs)
     steps = [(int(bs), float(tau)) for bs, tau in _DECODE_LINE.findall(log)]
     big = [tau for bs, tau in steps if bs >= 6]  # margin: the logged count may trail the batch that ran
     small = [tau for bs, tau in steps if bs <= 2]
@@ -349,24 +356,7 @@ def test_adaptive_tree_size_stays_lossless(tiny_qwen3_dir, own_store_assets, ser
     prompts, outputs, dart_args = own_store_assets
     args = [*dart_args, "--decode-log-interval", "1"]
     server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes-auto.log").start()
-    lengths = [4 + 4 * i for i in range(12)]
-    try:
-        with ThreadPoolExecutor(max_workers=12) as pool:
-            results = list(
-                pool.map(
-                    lambda p, n: server.generate(
-                        {"text": p, "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}
-                    ),
-                    prompts[:12],
-                    lengths,
-                )
-            )
-        log = server.log_text()
-        assert server.healthy()
-    finally:
-        server.stop()
-    for out, ref, n in zip(results, outputs[:12], lengths, strict=True):
-        assert out["output_ids"] == ref["output_ids"][:n]
+    log = _staggered_lossless_run(server, prompts, outputs)
     assert "DART tree size by batch size: auto" in log
     taus = [float(tau) for _, tau in _DECODE_LINE.findall(log)]
     assert any(tau == 1.0 for tau in taus) and any(tau > 1.0 for tau in taus), taus
