@@ -14,7 +14,7 @@ on the current traffic. The choice never changes what is generated: only how man
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 AUTO = "auto"
 
@@ -42,7 +42,7 @@ class _SizeStats:
 class _Bucket:
     stats: dict[int, _SizeStats]
     steps: int = 0
-    explore_up: bool = field(default=True)
+    explore_up: bool = True
 
 
 def candidate_sizes(max_size: int) -> tuple[int, ...]:

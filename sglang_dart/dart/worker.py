@@ -359,15 +359,14 @@ class DartWorker(NGRAMWorker):
             finished = self.step_clock.start(started)
             if finished is not None:
                 self.tree_sizes.record(*finished)
-        else:
-            self.step_clock.interrupt()
-            self._planned_size = None
-        if batch.forward_mode.is_decode():
             step_size = self._step_size(batch)
             if step_size == 1 and self._plain_decode_fits(batch):
                 return self._root_only_step(batch, on_publish, started)
             with self.timer.phase("prepare"):
                 self._prepare_for_speculative_decoding(batch, step_size)
+        else:  # a prefill: the interval to the next decode step is not a decode step's
+            self.step_clock.interrupt()
+            self._planned_size = None
         if batch.forward_mode.is_target_verify():
             size = batch.spec_info.draft_token_num
             with self.timer.phase("verify"):
