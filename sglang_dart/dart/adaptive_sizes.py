@@ -7,16 +7,25 @@ times dearer than the tokens it adds. No fixed schedule is right on every machin
 
 Per batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps, for each candidate size (1, powers of two, and N),
 a moving average of step seconds and of tokens emitted per step, and picks the size with the most tokens
-per second. Every candidate is tried at least `warmup` times first; after that, one step in
-`explore_every` tries a neighbour of the best, so the choice follows a drafter that gets better or worse
-on the current traffic. The choice never changes what is generated: only how many tokens a step verifies.
+per second. Every candidate is tried at least `warmup` times first (their plain mean: one step slowed down
+by the VM must not decide). After that, one step in `explore_every` probes another size, in turn a
+neighbour of the best and the root alone (plain decoding, the size that must never be lost to), and that
+probe's step replaces the size's estimate: estimates of sizes not in use go stale, and a stale one that
+is too low would otherwise never be tried again (a probe that comes out too high makes its size the
+chosen one, which is measured every step from then on and so corrects itself within a few steps). So the
+choice follows a drafter that gets better or worse on the current traffic. It never changes what is
+generated: only how many tokens a step verifies. The chosen size of a bucket is logged when it changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+PROBE_WEIGHT = 1.0  # share of a probe's step in its size's estimate: it re-measures the size
 
 
 @dataclass
@@ -26,11 +35,10 @@ class _SizeStats:
     samples: int = 0
 
     def add(self, seconds: float, tokens: float, weight: float) -> None:
-        if self.samples == 0:
-            self.seconds, self.tokens = seconds, tokens
-        else:
-            self.seconds += weight * (seconds - self.seconds)
-            self.tokens += weight * (tokens - self.tokens)
+        # The plain mean while there are few samples, then a moving average.
+        weight = max(weight, 1.0 / (self.samples + 1))
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens += weight * (tokens - self.tokens)
         self.samples += 1
 
     @property
@@ -42,7 +50,9 @@ class _SizeStats:
 class _Bucket:
     stats: dict[int, _SizeStats]
     steps: int = 0
-    explore_up: bool = True
+    probes: int = 0  # how many probes so far: picks the next one in turn
+    probing: set[int] = field(default_factory=set)  # sizes probed and not yet recorded
+    chosen: int | None = None  # the best size last logged
 
 
 def candidate_sizes(max_size: int) -> tuple[int, ...]:
@@ -60,9 +70,14 @@ def bucket_of(batch_size: int) -> int:
     return max(batch_size, 1).bit_length() - 1
 
 
+def _bucket_range(key: int) -> str:
+    low, high = 1 << key, (2 << key) - 1
+    return str(low) if low == high else f"{low}-{high}"
+
+
 class AdaptiveTreeSizes:
     def __init__(
-        self, max_size: int, warmup: int = 2, explore_every: int = 50, smoothing: float = 0.2
+        self, max_size: int, warmup: int = 3, explore_every: int = 50, smoothing: float = 0.2
     ) -> None:
         if max_size < 1:
             raise ValueError(f"tree size must be >= 1, got {max_size}")
@@ -96,20 +111,44 @@ class AdaptiveTreeSizes:
             if bucket.stats[size].samples < self.warmup:
                 return size
         best = self.best(batch_size)
-        if bucket.steps % self.explore_every:
+        self._log_choice(batch_size, bucket, best)
+        probes = self._probes(best)
+        if bucket.steps % self.explore_every or not probes:
             return best
+        probe = probes[bucket.probes % len(probes)]
+        bucket.probes += 1
+        bucket.probing.add(probe)
+        return probe
+
+    def _probes(self, best: int) -> list[int]:
+        """Sizes a probe tries in turn: the best's neighbours, and the root alone."""
         index = self.sizes.index(best)
-        bucket.explore_up = not bucket.explore_up
-        step = 1 if bucket.explore_up else -1
-        if not 0 <= index + step < len(self.sizes):
-            step = -step
-        return self.sizes[index + step] if 0 <= index + step < len(self.sizes) else best
+        around = {self.sizes[i] for i in (index - 1, index + 1) if 0 <= i < len(self.sizes)}
+        return sorted((around | {1}) - {best})
 
     def record(self, batch_size: int, size: int, seconds: float, tokens: int) -> None:
         """One finished step: its batch size, the size it verified, its wall time and tokens emitted."""
-        stats = self._bucket(batch_size).stats.get(size)
-        if stats is not None and seconds > 0:
-            stats.add(seconds, float(tokens), self.smoothing)
+        bucket = self._bucket(batch_size)
+        stats = bucket.stats.get(size)
+        if stats is None or seconds <= 0:
+            return
+        probed = size in bucket.probing
+        bucket.probing.discard(size)
+        stats.add(seconds, float(tokens), PROBE_WEIGHT if probed else self.smoothing)
+
+    def _log_choice(self, batch_size: int, bucket: _Bucket, best: int) -> None:
+        if best == bucket.chosen:
+            return
+        bucket.chosen = best
+        rates = ", ".join(
+            f"{size}: {stats.rate:.1f}" for size, stats in bucket.stats.items() if stats.samples
+        )
+        logger.info(
+            "DART auto: batches of %s requests now verify %d token(s) each (tokens/s by size: %s)",
+            _bucket_range(bucket_of(batch_size)),
+            best,
+            rates,
+        )
 
     def describe(self) -> str:
         return f"{AUTO} (measured per batch-size bucket among sizes {list(self.sizes)})"
