@@ -12,7 +12,8 @@ by the VM must not decide). After that, one step in `explore_every` probes anoth
 neighbour of the best and the root alone (plain decoding, the size that must never be lost to), and that
 probe's step replaces the size's estimate: estimates of sizes not in use go stale, and a stale one that
 is too low would otherwise never be tried again (a probe that comes out too high makes its size the
-chosen one, which is measured every step from then on and so corrects itself within a few steps). So the
+chosen one, which is measured every step from then on and so corrects itself within a few steps). A size
+replaces the one in use only if it measures 5% faster, so noise alone does not move the choice. So the
 choice follows a drafter that gets better or worse on the current traffic. It never changes what is
 generated: only how many tokens a step verifies. The chosen size of a bucket is logged when it changes.
 """
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 PROBE_WEIGHT = 1.0  # share of a probe's step in its size's estimate: it re-measures the size
+SWITCH_MARGIN = 0.05  # another size must beat the one in use by this much: noise is no reason to switch
 
 
 @dataclass
@@ -95,12 +97,18 @@ class AdaptiveTreeSizes:
         return self._buckets[key]
 
     def best(self, batch_size: int) -> int:
-        """The measured best size for this batch size (the largest while nothing is measured)."""
-        stats = self._bucket(batch_size).stats
+        """The size steps of this batch size run, probes aside: the one in use, unless another measured
+        SWITCH_MARGIN faster (the largest while nothing is measured)."""
+        bucket = self._bucket(batch_size)
+        stats = bucket.stats
         measured = [size for size in self.sizes if stats[size].samples]
         if not measured:
             return self.max_size
-        return max(measured, key=lambda size: (stats[size].rate, -size))
+        top = max(measured, key=lambda size: (stats[size].rate, -size))
+        current = bucket.chosen
+        if current is not None and stats[current].rate * (1 + SWITCH_MARGIN) >= stats[top].rate:
+            return current
+        return top
 
     def size_for(self, batch_size: int) -> int:
         """The size the next step of a batch this large should verify (one call per step: it counts)."""

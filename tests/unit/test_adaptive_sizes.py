@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections import Counter
 from types import SimpleNamespace
 
@@ -115,6 +116,20 @@ def test_a_stale_low_estimate_of_plain_decoding_is_corrected():
     picked = _run(chooser, 1, 200, cost, _accepts)
     assert chooser.best(1) == 1
     assert picked[1] > 170  # back at the first probe of the root alone
+
+
+def test_noise_below_the_margin_does_not_move_the_choice(caplog):
+    """Every size is as good as any other, give or take 3% per step: the choice made after the warm-up
+    stays (one log line), although the sizes' estimates overtake each other all the time."""
+    chooser = AdaptiveTreeSizes(8, explore_every=5)
+    rng = random.Random(0)
+
+    def noisy_flat(bs: int, size: int) -> float:
+        return 0.05 * size * rng.uniform(0.97, 1.03)
+
+    with caplog.at_level(logging.INFO, logger="sglang_dart.dart.adaptive_sizes"):
+        _run(chooser, 1, 1000, noisy_flat, lambda bs, size: float(size))
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
 
 
 def test_a_change_of_choice_is_logged(caplog):
