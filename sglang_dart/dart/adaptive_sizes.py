@@ -54,7 +54,7 @@ class _Bucket:
     steps: int = 0
     probes: int = 0  # how many probes so far: picks the next one in turn
     probing: set[int] = field(default_factory=set)  # sizes probed and not yet recorded
-    chosen: int | None = None  # the best size last logged
+    chosen: int | None = None  # the size in use (logged when it changes); None during the warm-up
 
 
 def candidate_sizes(max_size: int) -> tuple[int, ...]:
