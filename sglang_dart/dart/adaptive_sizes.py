@@ -119,9 +119,13 @@ class AdaptiveTreeSizes:
             if bucket.stats[size].samples < self.warmup:
                 return size
         best = self.best(batch_size)
-        self._log_choice(batch_size, bucket, best)
+        if best != bucket.chosen:
+            bucket.chosen = best
+            self._log_choice(batch_size, bucket)
+        if bucket.steps % self.explore_every:
+            return best
         probes = self._probes(best)
-        if bucket.steps % self.explore_every or not probes:
+        if not probes:  # a single candidate size
             return best
         probe = probes[bucket.probes % len(probes)]
         bucket.probes += 1
@@ -144,17 +148,14 @@ class AdaptiveTreeSizes:
         bucket.probing.discard(size)
         stats.add(seconds, float(tokens), PROBE_WEIGHT if probed else self.smoothing)
 
-    def _log_choice(self, batch_size: int, bucket: _Bucket, best: int) -> None:
-        if best == bucket.chosen:
-            return
-        bucket.chosen = best
+    def _log_choice(self, batch_size: int, bucket: _Bucket) -> None:
         rates = ", ".join(
             f"{size}: {stats.rate:.1f}" for size, stats in bucket.stats.items() if stats.samples
         )
         logger.info(
             "DART auto: batches of %s requests now verify %d token(s) each (tokens/s by size: %s)",
             _bucket_range(bucket_of(batch_size)),
-            best,
+            bucket.chosen,
             rates,
         )
 
