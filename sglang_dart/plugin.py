@@ -1,7 +1,7 @@
 """SGLang plugin entry point (`sglang.srt.plugins` group): run once in every SGLang process.
 
 It registers `--speculative-algorithm DART`, and on a machine with no GPU it installs the CPU attention
-backend that supports speculative verify.
+backend that supports speculative verify and routes few-row linear layers through `cpu.skinny_gemm`.
 """
 
 from __future__ import annotations
@@ -100,9 +100,11 @@ def register() -> None:
     from sglang_dart.cpu import detect
 
     if detect.cpu_engine_active():
+        from sglang_dart.cpu import skinny_gemm
         from sglang_dart.cpu.grammar import allow_grammar_without_cuda
 
         allow_grammar_without_cuda()
+        skinny_gemm.install()
     if cpu_stand_in_active():
         install_cpu_attention()
         patch_jit_cflags()

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sglang_dart.cpu.skinny_gemm import Linear
 from sglang_dart.drafter.config import DraftConfig, DraftConfigError
 
 
@@ -44,18 +45,18 @@ class _Attention(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         width = 2 * cfg.hidden_size
-        self.q_proj = nn.Linear(width, cfg.num_attention_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(width, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(width, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(width, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
 
 class _Mlp(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -83,10 +84,10 @@ class DartDrafter(nn.Module):
     def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor) -> None:
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = _MidLayer(cfg)
         self.norm = _Norm(cfg.hidden_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.embed_tokens = embed_tokens  # the target's table, shared, never copied or saved
 
