@@ -104,7 +104,11 @@ def register() -> None:
         from sglang_dart.cpu.grammar import allow_grammar_without_cuda
 
         allow_grammar_without_cuda()
-        skinny_gemm.install()
+        try:
+            skinny_gemm.install()
+        except ValueError as err:
+            # SGLang logs and skips a plugin that raises; a bad setting must stop the server instead.
+            raise SystemExit(f"sglang_dart: {err}") from err
     if cpu_stand_in_active():
         install_cpu_attention()
         patch_jit_cflags()

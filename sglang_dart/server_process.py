@@ -124,12 +124,15 @@ class SglangServer:
         return list(out["output_ids"])
 
 
-def run_launcher(args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """Run `python -m sglang.launch_server ARGS` to completion (for start-up errors)."""
+def run_launcher(
+    args: list[str], timeout: float = 300.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `python -m sglang.launch_server ARGS` to completion (for start-up errors); env adds variables."""
     return subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )

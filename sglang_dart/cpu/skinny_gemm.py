@@ -1,10 +1,11 @@
 """Linear layers with a few input rows, on the CPU: the shape of decode at small batches and of tree verify.
 
 `F.linear(x, W)` with x of 2..~100 rows goes through the BLAS as `x @ W.T`. On some CPUs (measured: an
-AMD EPYC with AVX2 and MKL 2024.2) that call costs 2-3x the one-row call even though both only stream W
-from memory once; computing the same product as `(W @ x.T).T` streams W at the one-row speed. On others
-(bf16 without AVX-512 here) the transposed form is slower. So each process times the two forms once per
-dtype, on weights too large for the caches as a serving model's are, and keeps the faster one.
+AMD EPYC with AVX2 and MKL 2024.2) that call costs up to 2-3x the one-row call for wide layers (the MLP's
+gate/up projection, the lm_head) even though both only stream W from memory once; computing the same
+product as `(W @ x.T).T` streams W at the one-row speed. For other shapes, and for bf16 without AVX-512,
+the transposed form is slower. So each process decides per weight shape and dtype, on its own serving
+calls: the first calls of a shape alternate the two forms and are timed, then the faster form is kept.
 
 `SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), `transposed` or `torch` (force a form).
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,63 +29,72 @@ MODES = ("auto", "transposed", "torch")
 # Row counts the choice applies to: one row is a matrix-vector product either way; from ~128 rows on,
 # the BLAS's own blocking wins (measured crossover on the EPYC).
 MIN_ROWS, MAX_ROWS = 2, 96
-# The transposed form is kept only when it is clearly faster: the timing is short and the VM noisy.
-REQUIRED_GAIN = 0.15
+# Timed calls per form before a shape's choice is made; the median resists the VM's stalls.
+SAMPLES_PER_FORM = 8
+# The transposed form must be clearly faster to be kept: x @ W.T is what every other engine computes.
+REQUIRED_GAIN = 0.1
 
-_choice: dict[torch.dtype, bool] = {}  # dtype -> use the transposed form
+
+@dataclass
+class _ShapeChoice:
+    seconds: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))  # x @ W.T, (W @ x.T).T
+    transposed: bool | None = None  # None while still timing
+
+
+_mode: str | None = None
+_choices: dict[tuple[int, int, torch.dtype], _ShapeChoice] = {}
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
-    return value
+    global _mode
+    if _mode is None:
+        value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+        if value not in MODES:
+            raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+        _mode = value
+    return _mode
 
 
 def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t()).t().contiguous()
 
 
-def _time_forms(dtype: torch.dtype, rows: int = 8) -> tuple[float, float]:
-    """Seconds per pass of each form over ~96 MB of weights (past the caches), interleaved, best of 3."""
-    generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(2048, 1024, generator=generator).to(dtype) for _ in range(48 // dtype.itemsize)]
-    x = torch.randn(rows, 1024, generator=generator).to(dtype)
-    best = [float("inf"), float("inf")]
-    for _ in range(4):  # the first round warms both paths up and is not counted
-        for form, run in enumerate((F.linear, lambda a, w: _transposed(a, w))):
-            start = time.perf_counter()
-            for w in weights:
-                run(x, w)
-            best[form] = min(best[form], time.perf_counter() - start)
-    return best[0], best[1]
-
-
-def use_transposed(dtype: torch.dtype) -> bool:
-    chosen = _choice.get(dtype)
-    if chosen is None:
-        wanted = mode()
-        if wanted == "auto":
-            plain, transposed = _time_forms(dtype)
-            chosen = transposed < plain * (1 - REQUIRED_GAIN)
-            logger.info(
-                "sglang_dart: CPU linear layers with %d-%d rows in %s use the %s form "
-                "(x @ W.T %.1f ms, (W @ x.T).T %.1f ms over 96 MB of weights)",
-                MIN_ROWS, MAX_ROWS, dtype, "(W @ x.T).T" if chosen else "x @ W.T",
-                plain * 1e3, transposed * 1e3,
-            )  # fmt: skip
-        else:
-            chosen = wanted == "transposed"
-        _choice[dtype] = chosen
-    return chosen
+def _timed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One call while the shape is undecided: the form with fewer samples, timed; decide when both have
+    enough."""
+    key = (weight.shape[0], weight.shape[1], weight.dtype)
+    choice = _choices.setdefault(key, _ShapeChoice())
+    plain_s, transposed_s = choice.seconds
+    use_transposed = len(transposed_s) < len(plain_s)
+    start = time.perf_counter()
+    out = _transposed(x, weight) if use_transposed else F.linear(x, weight)
+    (transposed_s if use_transposed else plain_s).append(time.perf_counter() - start)
+    if len(transposed_s) >= SAMPLES_PER_FORM:
+        plain, transposed = statistics.median(plain_s), statistics.median(transposed_s)
+        choice.transposed = transposed < plain * (1 - REQUIRED_GAIN)
+        logger.info(
+            "sglang_dart: CPU linear %d->%d (%s, %d-%d rows) uses %s (median x @ W.T %.3f ms, "
+            "(W @ x.T).T %.3f ms)",
+            key[1], key[0], str(weight.dtype).removeprefix("torch."), MIN_ROWS, MAX_ROWS,
+            "(W @ x.T).T" if choice.transposed else "x @ W.T", plain * 1e3, transposed * 1e3,
+        )  # fmt: skip
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), in the faster form for this CPU when x has a few rows."""
+    """F.linear(x, weight, bias), in the faster form for this CPU and shape when x has a few rows."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not (MIN_ROWS <= rows <= MAX_ROWS) or x.device.type != "cpu" or not use_transposed(x.dtype):
+    if not (MIN_ROWS <= rows <= MAX_ROWS) or x.device.type != "cpu" or mode() == "torch":
         return F.linear(x, weight, bias)
-    out = _transposed(x.reshape(rows, x.shape[-1]), weight)
+    flat = x.reshape(rows, x.shape[-1])
+    if mode() == "transposed":
+        out = _transposed(flat, weight)
+    else:
+        choice = _choices.get((weight.shape[0], weight.shape[1], weight.dtype))
+        if choice is not None and choice.transposed is not None:
+            out = _transposed(flat, weight) if choice.transposed else F.linear(flat, weight)
+        else:
+            out = _timed_product(flat, weight)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -22,3 +22,12 @@ def test_unknown_device_is_rejected(tiny_llama_dir):
     )
     assert result.returncode != 0
     assert "tpu9" in result.stdout + result.stderr
+
+
+def test_bad_cpu_gemm_setting_stops_the_launcher(tiny_llama_dir):
+    result = run_launcher(
+        ["--model-path", str(tiny_llama_dir), "--device", "cpu", "--port", str(free_port())],
+        env={"SGLANG_DART_CPU_SKINNY_GEMM": "fastest"},
+    )
+    assert result.returncode != 0
+    assert "SGLANG_DART_CPU_SKINNY_GEMM='fastest'" in result.stdout + result.stderr
