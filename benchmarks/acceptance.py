@@ -1,0 +1,94 @@
+"""Tokens per verify step (τ) of DART under several pruner settings, through the real SGLang server.
+
+    .venv/bin/python benchmarks/acceptance.py --draft DRAFT_DIR --store STORE [--model DIR]
+        [--new-tokens 64] [--dtype float32] SETTING [SETTING ...]
+
+A SETTING is a comma-separated list of VAR=VALUE environment variables for one DART server, e.g.
+`SGLANG_DART_TREE_SIZES=1:8` or `SGLANG_DART_TREE_SIZES=1:16,SGLANG_DART_NGRAM_WEIGHT=0` (see the
+README for the variables). Every server gets `SGLANG_DART_TREE_SIZES=1:8` unless the setting names it,
+so the tree size does not shrink with the batch.
+
+Greedy decoding is deterministic, so τ (emitted tokens / verify steps, summed over the benchmark's
+16 held-out prompts) does not depend on the machine's load the way tokens per second do: settings can
+be compared on a noisy VM. The speed a setting gives is τ over its step cost, which `throughput.py`
+measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from throughput import PROMPTS, _chat_ids  # noqa: E402
+
+CONCURRENCY = 4  # requests in flight; τ does not depend on it under greedy decoding
+
+
+def _setting(text: str) -> dict[str, str]:
+    env = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not VAR=VALUE")
+        env[name.strip()] = value.strip()
+    return env
+
+
+def _generate_all(server, prompts: list[list[int]], params: dict) -> list[dict]:
+    with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
+        return list(
+            pool.map(lambda ids: server.generate({"input_ids": ids, "sampling_params": params}), prompts)
+        )
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    from sglang_dart.assets import smollm2_dir
+    from sglang_dart.server_process import SglangServer
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--draft", type=Path, required=True)
+    parser.add_argument("--store", type=Path, required=True)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-draft-tokens", type=int, default=16, help="the largest tree")
+    parser.add_argument("settings", nargs="+", type=_setting, metavar="SETTING")
+    args = parser.parse_args()
+
+    model = args.model or smollm2_dir()
+    prompts = _chat_ids(AutoTokenizer.from_pretrained(model), PROMPTS, len(PROMPTS))
+    params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
+    server_args = [
+        "--dtype", args.dtype, "--speculative-algorithm", "DART",
+        "--speculative-draft-model-path", str(args.draft),
+        "--speculative-ngram-external-corpus-path", str(args.store),
+        "--speculative-num-draft-tokens", str(args.num_draft_tokens),
+    ]  # fmt: skip
+    logs = Path(tempfile.mkdtemp(prefix="dart-acceptance-"))
+    print(f"model {model.name} (--dtype {args.dtype}), {len(prompts)} prompts x {args.new_tokens} tokens, "
+          f"greedy; logs in {logs}\n")  # fmt: skip
+    print("| setting | tokens | verify steps | tokens/step |\n|---|---|---|---|")
+    for number, setting in enumerate(args.settings):
+        env = {"SGLANG_DART_TREE_SIZES": "1:8", **setting}
+        server = SglangServer(model, server_args, logs / f"setting-{number}.log", env=env).start()
+        try:
+            outputs = _generate_all(server, prompts, params)
+        finally:
+            server.stop()
+        tokens = sum(len(out["output_ids"]) for out in outputs)
+        steps = sum(out["meta_info"]["spec_verify_ct"] for out in outputs)
+        label = ",".join(f"{k}={v}" for k, v in env.items())
+        print(f"| {label} | {tokens} | {steps} | {tokens / steps:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
