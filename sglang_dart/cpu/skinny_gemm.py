@@ -91,10 +91,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = _transposed(flat, weight)
     else:
         choice = _choices.get((weight.shape[0], weight.shape[1], weight.dtype))
-        if choice is not None and choice.transposed is not None:
-            out = _transposed(flat, weight) if choice.transposed else F.linear(flat, weight)
-        else:
+        if choice is None or choice.transposed is None:
             out = _timed_product(flat, weight)
+        elif choice.transposed:
+            out = _transposed(flat, weight)
+        else:
+            return F.linear(x, weight, bias)  # exactly SGLang's computation
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
