@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from throughput import PROMPTS, _chat_ids  # noqa: E402
+from throughput import PROMPTS, _chat_ids, dart_parser  # noqa: E402
 
 CONCURRENCY = 4  # requests in flight; τ does not depend on it under greedy decoding
 
@@ -52,12 +52,7 @@ def main() -> None:
     from sglang_dart.assets import smollm2_dir
     from sglang_dart.server_process import SglangServer
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path)
-    parser.add_argument("--draft", type=Path, required=True)
-    parser.add_argument("--store", type=Path, required=True)
+    parser = dart_parser(__doc__)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-draft-tokens", type=int, default=16, help="the largest tree")

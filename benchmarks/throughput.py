@@ -110,18 +110,22 @@ def _measure(server, tokenizer, batch_size: int, new_tokens: int) -> Measurement
     return result
 
 
+def dart_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every DART benchmark takes: target (default SmolLM2), drafter and store."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--draft", type=Path, required=True)
+    parser.add_argument("--store", type=Path, required=True)
+    return parser
+
+
 def main() -> None:
     from transformers import AutoTokenizer
 
     from sglang_dart.assets import smollm2_dir
     from sglang_dart.server_process import SglangServer
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path)
-    parser.add_argument("--draft", type=Path, required=True)
-    parser.add_argument("--store", type=Path, required=True)
+    parser = dart_parser(__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, nargs="+", default=[16], help="one DART run each")
