@@ -59,11 +59,9 @@ def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t()).t().contiguous()
 
 
-def _timed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _timed_product(choice: _ShapeChoice, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """One call while the shape is undecided: the form with fewer samples, timed; decide when both have
     enough."""
-    key = (weight.shape[0], weight.shape[1], weight.dtype)
-    choice = _choices.setdefault(key, _ShapeChoice())
     plain_s, transposed_s = choice.seconds
     use_transposed = len(transposed_s) < len(plain_s)
     start = time.perf_counter()
@@ -75,7 +73,7 @@ def _timed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         logger.info(
             "sglang_dart: CPU linear %d->%d (%s, %d-%d rows) uses %s (median x @ W.T %.3f ms, "
             "(W @ x.T).T %.3f ms)",
-            key[1], key[0], str(weight.dtype).removeprefix("torch."), MIN_ROWS, MAX_ROWS,
+            weight.shape[1], weight.shape[0], str(weight.dtype).removeprefix("torch."), MIN_ROWS, MAX_ROWS,
             "(W @ x.T).T" if choice.transposed else "x @ W.T", plain * 1e3, transposed * 1e3,
         )  # fmt: skip
     return out
@@ -90,9 +88,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if mode() == "transposed":
         out = _transposed(flat, weight)
     else:
-        choice = _choices.get((weight.shape[0], weight.shape[1], weight.dtype))
-        if choice is None or choice.transposed is None:
-            out = _timed_product(flat, weight)
+        key = (weight.shape[0], weight.shape[1], weight.dtype)
+        choice = _choices.get(key) or _choices.setdefault(key, _ShapeChoice())  # no allocation once seen
+        if choice.transposed is None:
+            out = _timed_product(choice, flat, weight)
         elif choice.transposed:
             out = _transposed(flat, weight)
         else:
