@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 from sglang_dart.train.prompts import training_prompts
@@ -39,7 +43,8 @@ def generate(
     log_dir: Path,
     dtype: str = "auto",
     temperature: float = 0.0,
-) -> list[dict]:
+) -> Iterator[dict]:
+    """Yield one row per prompt, in prompt order, as soon as it and every row before it are answered."""
     from transformers import AutoTokenizer
 
     from sglang_dart.cpu.detect import has_accelerator
@@ -67,8 +72,11 @@ def generate(
                 "text": tokenizer.decode(full),
             }
 
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            return list(pool.map(one, prompts))
+        pool = ThreadPoolExecutor(max_workers=concurrency)
+        try:
+            yield from pool.map(one, prompts)
+        finally:  # an interrupted run stops now: queued prompts are dropped, the server stop ends the rest
+            pool.shutdown(wait=False, cancel_futures=True)
     finally:
         server.stop()
 
@@ -94,22 +102,37 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--samples-per-prompt > 1 needs --temperature > 0 (greedy answers would repeat)")
     exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
     prompts = training_prompts(args.num_prompts, seed=args.seed, exclude=exclude) * args.samples_per_prompt
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = generate(
-            args.target,
-            prompts,
-            args.max_new_tokens,
-            args.concurrency,
-            Path(tmp),
-            args.dtype,
-            args.temperature,
-        )
+    # Rows go to a side file as they arrive, so an interrupted run keeps what it generated; the output
+    # path only ever holds a complete run.
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    tokens = sum(len(r["input_ids"]) - r["prompt_len"] for r in rows)
-    print(f"wrote {len(rows)} conversations ({tokens} generated tokens) to {args.out}")
+    partial = args.out.with_name(args.out.name + ".partial")
+    count = tokens = 0
+    # The server runs in its own session; a plain SIGTERM would end this process and leave it running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        with tempfile.TemporaryDirectory() as tmp, partial.open("w") as f:
+            answers = generate(
+                args.target,
+                prompts,
+                args.max_new_tokens,
+                args.concurrency,
+                Path(tmp),
+                args.dtype,
+                args.temperature,
+            )
+            with closing(answers) as rows:  # on any error the server stops here, before tmp goes
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    count += 1
+                    tokens += len(row["input_ids"]) - row["prompt_len"]
+    except BaseException:
+        print(
+            f"stopped after {count} of {len(prompts)} conversations; they are in {partial}", file=sys.stderr
+        )
+        raise
+    partial.replace(args.out)
+    print(f"wrote {count} conversations ({tokens} generated tokens) to {args.out}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ SGLang captures at serving time) and the output stays the target's own greedy ou
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,3 +84,49 @@ def test_generate_train_serve(tiny_qwen3_dir, tmp_path, server_logs):
     baseline = _serve(tiny_qwen3_dir, untrained, store, server_logs / "pipeline-random.log", prompts)
     tau_trained, tau_random = _mean_accepted(trained), _mean_accepted(baseline)
     assert tau_trained > 1.3 and tau_trained > tau_random + 0.2, (tau_trained, tau_random)
+
+
+def _server_pids() -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"sglang.launch_server" in cmdline:
+            pids.add(int(proc.name))
+    return pids
+
+
+def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp_path):
+    """SIGTERM mid-run: finished conversations stay in OUT.partial, OUT is never written, and the server
+    the command started (in a session of its own) is stopped with it."""
+    before = _server_pids()
+    out = tmp_path / "data.jsonl"
+    partial = tmp_path / "data.jsonl.partial"
+    cmd = [
+        sys.executable, "-m", "sglang_dart.train.generate",
+        "--target", str(tiny_qwen3_dir), "--out", str(out),
+        "--num-prompts", "200", "--max-new-tokens", "200", "--concurrency", "2", "--dtype", "float32",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (partial.exists() and partial.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no conversation written in 10 minutes"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "conversations; they are in" in stderr, stderr[-2000:]
+    assert not out.exists()
+    rows = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert 2 <= len(rows) < 200 and all(len(r["input_ids"]) > r["prompt_len"] for r in rows)
+    deadline = time.monotonic() + 60
+    while _server_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _server_pids() - before, "the generate server outlived its command"
