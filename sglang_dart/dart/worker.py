@@ -45,6 +45,7 @@ from sglang_dart.dart.draft_runner import DraftRunner
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.sampling import pin_logits_to_samples
 from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config, tree_size_schedule
+from sglang_dart.dart.verify_mask import full_verify_mask
 from sglang_dart.drafter import load_drafter
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
 from sglang_dart.pruner import prune_batch
@@ -207,16 +208,6 @@ class DartWorker(NGRAMWorker):
             barrier=None,
         )
 
-    def _full_mask(self, batch: Any, mask: np.ndarray, size: int) -> torch.Tensor:
-        """The [size, prefix + size] per-request masks FlashInfer/Triton verify reads (NGRAM's layout)."""
-        per_req = mask.reshape(len(batch.reqs), size, size)
-        rows = []
-        for i, seq_len in enumerate(batch.seq_lens_cpu.tolist()):
-            prefix = torch.ones((size, seq_len), dtype=torch.bool, device=self.device)
-            tree = torch.from_numpy(per_req[i]).to(self.device, non_blocking=True)
-            rows.append(torch.cat((prefix, tree), dim=1).flatten())
-        return torch.cat(rows)
-
     def _prepare_for_speculative_decoding(self, batch: Any, size: int | None = None) -> None:
         """Turn a decode batch into a TARGET_VERIFY batch over this step's trees (NGRAM's verify layout,
         sized per step instead of per server)."""
@@ -232,9 +223,10 @@ class DartWorker(NGRAMWorker):
         retrieve = [torch.empty((bs, size), dtype=torch.int64, device=self.device) for _ in range(3)]
         ngram.reconstruct_indices_from_tree_mask(tree_mask, batch.seq_lens, positions, *retrieve, bs, size)
         self.grammar_tree_host = (mask, tokens) if batch.has_grammar else None
-        custom_mask = (
-            self._full_mask(batch, mask, size) if ngram.USE_FULL_MASK and not ngram._is_cpu else tree_mask
-        )
+        if ngram.USE_FULL_MASK and not ngram._is_cpu:
+            custom_mask = full_verify_mask(mask.reshape(bs, size, size), batch.seq_lens_cpu, self.device)
+        else:
+            custom_mask = tree_mask
 
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = draft_tokens
