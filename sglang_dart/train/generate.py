@@ -57,8 +57,8 @@ def generate(
         log_dir / "generate-server.log",
         device_args=[] if has_accelerator() else None,
     )
-    server.start()
-    try:
+    try:  # started inside the try: a SIGTERM while it boots must stop it too
+        server.start()
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
 
         def one(prompt: str) -> dict:
