@@ -131,9 +131,15 @@ def attend(
     def per_request(x: torch.Tensor) -> torch.Tensor:  # flat rows -> [bs, Q, heads, dim]
         return x.view(bs, width_q, *x.shape[1:]) if dense else x[plan.query_row]
 
+    def prefix(cache: torch.Tensor) -> torch.Tensor:  # [bs, P, heads, dim]
+        # index_select over the flat slots: advanced indexing with the 2-D index was up to 4x slower on CPU
+        # (16 x 300 slots of [3, 64] float32: 1.62 vs 0.40 ms, cat included).
+        flat = cache.index_select(0, plan.prefix_loc.reshape(-1))
+        return flat.view(*plan.prefix_loc.shape, *cache.shape[1:])
+
     qp = per_request(q).float().transpose(1, 2)  # [bs, H, Q, D]
-    kp = torch.cat([k_cache[plan.prefix_loc], per_request(k_new)], dim=1).float().transpose(1, 2)
-    vp = torch.cat([v_cache[plan.prefix_loc], per_request(v_new)], dim=1).float().transpose(1, 2)
+    kp = torch.cat([prefix(k_cache), per_request(k_new)], dim=1).float().transpose(1, 2)
+    vp = torch.cat([prefix(v_cache), per_request(v_new)], dim=1).float().transpose(1, 2)
     mask = plan.sdpa_mask
     if sliding_window is not None and sliding_window > -1:
         window = plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window
