@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,13 +36,6 @@ def _setting(text: str) -> dict[str, str]:
             raise argparse.ArgumentTypeError(f"{item!r} is not VAR=VALUE")
         env[name.strip()] = value.strip()
     return env
-
-
-def _generate_all(server, prompts: list[list[int]], params: dict) -> list[dict]:
-    with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
-        return list(
-            pool.map(lambda ids: server.generate({"input_ids": ids, "sampling_params": params}), prompts)
-        )
 
 
 def main() -> None:
@@ -76,7 +68,7 @@ def main() -> None:
         env = {"SGLANG_DART_TREE_SIZES": "1:8", **setting}
         server = SglangServer(model, server_args, logs / f"setting-{number}.log", env=env).start()
         try:
-            outputs = _generate_all(server, prompts, params)
+            outputs = server.generate_many(prompts, params, CONCURRENCY)
         finally:
             server.stop()
         tokens = sum(len(out["output_ids"]) for out in outputs)

@@ -28,7 +28,6 @@ import platform
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,8 +100,7 @@ def _measure(server, tokenizer, batch_size: int, new_tokens: int) -> Measurement
     # The warm-up run uses other prompts: NGRAM's suffix cache would otherwise replay its own outputs.
     for ids in (_chat_ids(tokenizer, WARMUP_PROMPTS, batch_size), _chat_ids(tokenizer, PROMPTS, batch_size)):
         cpu_start, start = _cpu_seconds(server), time.perf_counter()
-        with ThreadPoolExecutor(max_workers=batch_size) as pool:
-            outs = list(pool.map(lambda x: server.generate({"input_ids": x, "sampling_params": params}), ids))
+        outs = server.generate_many(ids, params, batch_size)
         seconds, cpu = time.perf_counter() - start, _cpu_seconds(server) - cpu_start
         tokens = sum(len(o["output_ids"]) for o in outs)
         steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -112,6 +113,13 @@ class SglangServer:
         resp = requests.post(f"{self.url}/generate", json=payload, timeout=timeout)
         resp.raise_for_status()
         return resp.json()
+
+    def generate_many(self, prompts: list[list[int]], params: dict, concurrency: int) -> list[dict]:
+        """One /generate per token-id prompt, `concurrency` in flight at once; results in prompt order."""
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(
+                pool.map(lambda ids: self.generate({"input_ids": ids, "sampling_params": params}), prompts)
+            )
 
     def greedy_ids(self, input_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> list[int]:
         out = self.generate(

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,11 +38,7 @@ def _serve(target: Path, draft: Path, store: Path, log: Path, prompts: list[list
     ]  # fmt: skip
     server = SglangServer(target, args, log).start()
     try:
-        params = {"max_new_tokens": 32, "temperature": 0.0}
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            return list(
-                pool.map(lambda ids: server.generate({"input_ids": ids, "sampling_params": params}), prompts)
-            )
+        return server.generate_many(prompts, {"max_new_tokens": 32, "temperature": 0.0}, concurrency=8)
     finally:
         server.stop()
 
