@@ -4,6 +4,7 @@ dtype and row bucket, the Rust form's row independence, and a clear error for a 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -119,3 +120,17 @@ def test_module_keeps_nn_linear_state_dict():
     layer = skinny_gemm.Linear(16, 8, bias=False)
     assert list(layer.state_dict()) == ["weight"]
     torch.nn.Linear(16, 8, bias=False).load_state_dict(layer.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("form", "preset", "expected"),
+    [("auto", None, "0"), ("rust", None, "0"), ("torch", None, None), ("auto", "300000", "300000")],
+)
+def test_openmp_spinning_is_turned_off_only_where_rust_may_run(monkeypatch, form, preset, expected):
+    monkeypatch.setenv(skinny_gemm.ENV, form)
+    if preset is None:
+        monkeypatch.delenv(skinny_gemm.SPIN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(skinny_gemm.SPIN_ENV, preset)
+    skinny_gemm.keep_openmp_from_spinning()
+    assert os.environ.get(skinny_gemm.SPIN_ENV) == expected
