@@ -7,9 +7,10 @@ Three forms compute the same product:
 - `torch`: `F.linear`, exactly SGLang's computation;
 - `transposed`: `(W @ x.T).T`, which the BLAS runs at the one-row speed for some wide shapes;
 - `rust`: `sglang_dart._core.skinny_matmul` (float32, up to 64 rows), which reads each weight row once
-  for all input rows (AVX2/FMA where the CPU has them). On the EPYC it computes the whole model's
-  linears for 8 rows in 1.5x the one-row time, where the BLAS took 2.3x, and its one-row call is 1.7x
-  faster than the BLAS's (benchmarks/results/throughput.md, run 14).
+  for all input rows (AVX2/FMA where the CPU has them). On the EPYC, in a loop over the whole model's
+  weights, its 8-row call took 1.5x its one-row call where the BLAS's took 2.3x; in the server it wins
+  on the wide layers and the lm_head, and loses at one row on the narrow ones, where its per-call
+  overhead shows (benchmarks/results/throughput.md, run 14).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
 weight shape, dtype and row-count bucket (1, 2-3, 4-7, 8-15, ...), on its own serving calls: the first
 calls of a bucket rotate through the forms and are timed, then the fastest is kept.
