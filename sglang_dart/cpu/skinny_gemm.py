@@ -7,23 +7,21 @@ Three forms compute the same product:
 - `torch`: `F.linear`, exactly SGLang's computation;
 - `transposed`: `(W @ x.T).T`, which the BLAS runs at the one-row speed for some wide shapes;
 - `rust`: `sglang_dart._core.skinny_matmul` (float32, up to 64 rows), which reads each weight row once
-  for all input rows (AVX2/FMA where the CPU has them). On the EPYC, in a loop over the whole model's
-  weights, its 8-row call took 1.5x its one-row call where the BLAS's took 2.3x; in the server it wins
-  on the wide layers and the lm_head, and loses at one row on the narrow ones, where its per-call
-  overhead shows (benchmarks/results/throughput.md, run 14).
+  for all input rows (AVX2/FMA where the CPU has them), on the calling thread plus a small team of
+  helper threads (`rust/dart-core/src/team.rs`). In the server on the EPYC it beat the BLAS at 1-31 rows
+  on every SmolLM2 layer and the lm_head (benchmarks/results/throughput.md, run 15).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
 weight shape, dtype and row-count bucket (1, 2-3, 4-7, 8-15, ...), on its own serving calls: the first
 calls of a bucket rotate through the forms and are timed, then the fastest is kept.
 
 `SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `rust` (force a
-form wherever it applies).
+form wherever it applies). The Rust team has as many threads (caller included) as torch uses in the
+process unless `SGLANG_DART_GEMM_THREADS` says otherwise; `SGLANG_DART_GEMM_SPIN_US` (default 0) makes its
+helpers poll that long after each product before sleeping.
 
-The Rust product runs on its own threads (rayon), beside torch's OpenMP pool. After each parallel region
-libgomp's workers spin (GOMP_SPINCOUNT, 300000 by default) waiting for the next one, and on a 2-core
-machine that spinning takes a core from the Rust threads: the whole model's 8-row linears, with
-attention ops between them as in serving, took 97 ms instead of 54 (torch's own took 111-117 ms either
-way). So where the Rust form may be used, `keep_openmp_from_spinning` sets GOMP_SPINCOUNT=0 unless the
-user set it.
+After each parallel region libgomp's workers spin (GOMP_SPINCOUNT, 300000 by default) waiting for the
+next one, and on a 2-core machine that spinning takes a core from the Rust helpers. So where the Rust
+form may be used, `keep_openmp_from_spinning` sets GOMP_SPINCOUNT=0 unless the user set it.
 """
 
 from __future__ import annotations
@@ -93,7 +91,12 @@ def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t()).t().contiguous()
 
 
+THREADS_ENV = "SGLANG_DART_GEMM_THREADS"
+
+
 def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The Rust team reads its size once, at its first product: as many threads as torch's pool here.
+    os.environ.setdefault(THREADS_ENV, str(torch.get_num_threads()))
     out = x.new_empty(x.shape[0], weight.shape[0])
     skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
     return out

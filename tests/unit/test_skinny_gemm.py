@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -108,6 +111,42 @@ def test_rust_product_rejects_mismatched_arrays():
         skinny_matmul(torch.randn(8, 2).numpy().T, w, torch.empty(2, 3).numpy())
     with pytest.raises(ValueError, match="at most"):
         skinny_matmul(torch.randn(65, 8).numpy(), w, torch.empty(65, 3).numpy())
+
+
+def test_rust_product_is_right_when_python_threads_call_it_at_once():
+    # The GIL is released: callers overlap, and all but one run without the helper team.
+    from sglang_dart._core import skinny_matmul
+
+    torch.manual_seed(0)
+    weights = [torch.randn(300, 96) for _ in range(4)]
+    inputs = [torch.randn(1 + 3 * i, 96) for i in range(4)]
+
+    def products(i: int) -> list[torch.Tensor]:
+        outs = []
+        for _ in range(50):
+            out = torch.empty(inputs[i].shape[0], 300)
+            skinny_matmul(inputs[i].numpy(), weights[i].numpy(), out.numpy())
+            outs.append(out)
+        return outs
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(products, range(4)))
+    for i, outs in enumerate(results):
+        torch.testing.assert_close(outs[0], F.linear(inputs[i], weights[i]), rtol=1e-4, atol=1e-4)
+        assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+def test_rust_team_is_sized_like_torchs_pool_unless_set():
+    code = (
+        "import os, torch; torch.set_num_threads(1); from sglang_dart.cpu import skinny_gemm; "
+        "skinny_gemm._rust(torch.randn(2, 8), torch.randn(4, 8)); print(os.environ[skinny_gemm.THREADS_ENV])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != skinny_gemm.THREADS_ENV}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "1"
+    env[skinny_gemm.THREADS_ENV] = "3"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "3"
 
 
 def test_bad_setting_names_the_variable(monkeypatch):

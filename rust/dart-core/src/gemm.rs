@@ -8,11 +8,13 @@
 //! a row's result does not depend on the other rows of the call: a token gets bit-identical logits
 //! whether it is verified in a tree of 8 or decoded alone.
 
-use rayon::prelude::*;
+use std::sync::{Mutex, PoisonError};
+
+use crate::team;
 
 const LANES: usize = 8;
-/// Output columns (weight rows) per parallel task: enough to amortise the task, small enough that
-/// both cores get work for the narrowest layers (576 columns).
+/// Output columns (weight rows) per claimed task: enough to amortise the claim, small enough that
+/// all threads get work for the narrowest layers (576 columns).
 const COLUMNS_PER_TASK: usize = 64;
 /// Most input rows one call takes: beyond that the BLAS's blocking wins.
 pub const MAX_ROWS: usize = 64;
@@ -63,16 +65,20 @@ pub fn skinny_matmul(
     Ok(())
 }
 
-/// `by_column` [n, rows]: the weight rows split in blocks among the rayon threads.
+/// `by_column` [n, rows]: the weight rows split in blocks shared out among the calling thread and the
+/// team's helpers (`team` says why not rayon).
 fn compute_columns(x: &[f32], w: &[f32], by_column: &mut [f32], rows: usize, k: usize) {
-    by_column
-        .par_chunks_mut(COLUMNS_PER_TASK * rows)
-        .enumerate()
-        .for_each(|(task, block)| {
-            let first = task * COLUMNS_PER_TASK;
-            let columns = block.len() / rows;
-            columns_block(x, &w[first * k..(first + columns) * k], block, rows, k);
-        });
+    // Each block is claimed by exactly one thread; the (uncontended) locks only carry the `&mut`s.
+    let blocks: Vec<Mutex<&mut [f32]>> = by_column
+        .chunks_mut(COLUMNS_PER_TASK * rows)
+        .map(Mutex::new)
+        .collect();
+    team::for_each_index(blocks.len(), &|task| {
+        let mut block = blocks[task].lock().unwrap_or_else(PoisonError::into_inner);
+        let first = task * COLUMNS_PER_TASK;
+        let columns = block.len() / rows;
+        columns_block(x, &w[first * k..(first + columns) * k], &mut block, rows, k);
+    });
 }
 
 fn check_shapes(

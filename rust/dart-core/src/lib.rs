@@ -6,5 +6,6 @@ pub mod gemm;
 pub mod model;
 pub mod prune;
 pub mod store;
+pub mod team;
 
 pub use model::NextTokenModel;

@@ -1,0 +1,85 @@
+"""The model's linear layers at a few rows, as a CPU server runs them: each product preceded by the small
+torch ops that separate linears in a forward (an RMSNorm, a K/V concat, a tiny SDPA), so that thread
+wake-ups and idle cores count as they do in serving. Times the whole loop (linears and ops between)
+for SGLang's product (`F.linear`) and for `sglang_dart._core.skinny_matmul`, interleaved, and prints
+the medians and their ratio.
+
+    .venv/bin/python benchmarks/cpu_linears.py [--rows 1 8 16] [--repeats 7] [--layers 30]
+
+Shapes are SmolLM2-135M's (qkv 576->960, o 576->576, gate/up 576->3072, down 1536->576), float32, one
+weight copy per layer so that weights stream from memory. The knobs the Rust form reads at its first
+product (SGLANG_DART_GEMM_THREADS, SGLANG_DART_GEMM_SPIN_US) and GOMP_SPINCOUNT (read when torch loads)
+come from the environment; GOMP_SPINCOUNT defaults to 0 here as in the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("GOMP_SPINCOUNT", "0")  # before torch loads libgomp, as the plugin does
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from sglang_dart._core import skinny_matmul  # noqa: E402
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0])
+    skinny_matmul(x.numpy(), weight.numpy(), out.numpy())
+    return out
+
+
+def _torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+class _OpsBetween:
+    """What a decoder layer does between two products at small batch: norm, K/V concat, attention."""
+
+    def __init__(self, rows: int) -> None:
+        self.hidden = torch.randn(rows, 576)
+        self.query = torch.randn(1, 9, rows, 64)
+        self.cache = torch.randn(1, 3, 200, 64)
+
+    def __call__(self) -> None:
+        F.rms_norm(self.hidden, (576,))
+        keys = torch.cat([self.cache, self.cache], 2).repeat_interleave(3, 1)
+        F.scaled_dot_product_attention(self.query, keys, keys)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    weights = [[torch.randn(n, k) for n, k in SHAPES] for _ in range(args.layers)]
+    forms = {"torch": _torch, "rust": _rust}
+    print(f"torch threads {torch.get_num_threads()}, GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}")
+    print("| rows | F.linear ms | skinny_matmul ms | F.linear / skinny_matmul |\n|---|---|---|---|")
+    for rows in args.rows:
+        inputs = [torch.randn(rows, k) for _, k in SHAPES]
+        between = _OpsBetween(rows)
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for _ in range(args.repeats):
+            for name, product in forms.items():
+                start = time.perf_counter()
+                for layer in weights:
+                    for x, weight in zip(inputs, layer, strict=True):
+                        between()
+                        product(x, weight)
+                times[name].append(time.perf_counter() - start)
+        torch_ms, rust_ms = (statistics.median(times[name]) * 1e3 for name in forms)
+        print(f"| {rows} | {torch_ms:.1f} | {rust_ms:.1f} | {torch_ms / rust_ms:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
