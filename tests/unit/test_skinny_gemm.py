@@ -149,6 +149,30 @@ def test_rust_team_is_sized_like_torchs_pool_unless_set():
     assert run.stdout.strip() == "3"
 
 
+def test_rust_product_works_in_a_forked_child():
+    # The child has none of the parent's helper threads; it must compute alone, not wait for them.
+    code = """
+import os, torch, torch.nn.functional as F
+from sglang_dart._core import skinny_matmul
+x, w = torch.randn(8, 64), torch.randn(700, 64)
+def product():
+    out = torch.empty(8, 700)
+    skinny_matmul(x.numpy(), w.numpy(), out.numpy())
+    return out
+product()
+pid = os.fork()
+if pid == 0:
+    ok = all(torch.allclose(product(), F.linear(x, w), atol=1e-4) for _ in range(20))
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert run.stdout.strip() == "0"
+
+
 def test_bad_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv(skinny_gemm.ENV, "fastest")
     with pytest.raises(ValueError, match=f"{skinny_gemm.ENV}='fastest'"):

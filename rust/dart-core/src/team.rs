@@ -59,6 +59,9 @@ struct Team {
     handles: OnceLock<Vec<Thread>>,
     caller: Mutex<()>,
     spin: Duration,
+    /// The process that started the helpers: a forked child has none of them (and may have inherited
+    /// a mid-loop `busy` count), so it runs its loops alone.
+    process: u32,
 }
 
 fn env_number(name: &str) -> Option<u64> {
@@ -81,6 +84,7 @@ fn team() -> &'static Team {
             handles: OnceLock::new(),
             caller: Mutex::new(()),
             spin: Duration::from_micros(env_number(SPIN_ENV).unwrap_or(DEFAULT_SPIN_US)),
+            process: std::process::id(),
         }));
         let handles = (0..helpers)
             .filter_map(|me| {
@@ -148,8 +152,16 @@ struct Withdraw<'a> {
 impl Drop for Withdraw<'_> {
     fn drop(&mut self) {
         self.team.job.store(ptr::null_mut(), Ordering::SeqCst);
+        let mut polls = 0u32;
         while self.team.busy.load(Ordering::SeqCst) != 0 {
-            std::hint::spin_loop();
+            // A helper finishing its last block is usually microseconds away; one that was preempted
+            // needs this core, so stop spinning soon.
+            polls += 1;
+            if polls < 256 {
+                std::hint::spin_loop();
+            } else {
+                thread::yield_now();
+            }
         }
     }
 }
@@ -159,7 +171,7 @@ impl Drop for Withdraw<'_> {
 pub fn for_each_index(count: usize, body: &(dyn Fn(usize) + Sync)) {
     let team = team();
     let helpers = team.handles.get().map_or(&[][..], Vec::as_slice);
-    let guard = if count > 1 && !helpers.is_empty() {
+    let guard = if count > 1 && !helpers.is_empty() && std::process::id() == team.process {
         match team.caller.try_lock() {
             Ok(guard) => Some(guard),
             // A caller's own body panicked earlier; the lock guards nothing but exclusivity.
