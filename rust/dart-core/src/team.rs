@@ -6,10 +6,9 @@
 //! Here the caller starts on the loop at once and the helpers join when they wake, claiming indices
 //! from a shared counter, so a late helper costs nothing and an early one shares the work.
 //! After a loop, helpers may keep polling (yielding the core) for `SGLANG_DART_GEMM_SPIN_US`
-//! microseconds before they park. The default, [`DEFAULT_SPIN_US`], is no polling: in the server on the
-//! 2-core VM, polling for 0.1 or 1 ms took time from the torch ops and the pruner between products
-//! (DART at batch 1: 20.8-23.1 tok/s with polling, 23.6-28.7 without; benchmarks/results/throughput.md,
-//! run 15).
+//! microseconds before they park. The default, [`DEFAULT_SPIN_US`], is no polling, which costs no CPU
+//! when idle. On the 2-core VM, measurements of 1 ms polling disagreed: separate runs favoured none,
+//! while two same-run A/Bs favoured polling for DART (benchmarks/results/throughput.md, run 15).
 //!
 //! One loop runs at a time; a second caller meanwhile runs its loop alone rather than wait.
 
