@@ -23,19 +23,10 @@ os.environ.setdefault("GOMP_SPINCOUNT", "0")  # before torch loads libgomp, as t
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from sglang_dart._core import skinny_matmul  # noqa: E402
+
+from sglang_dart.cpu.skinny_gemm import PRODUCTS  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-
-
-def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(x.shape[0], weight.shape[0])
-    skinny_matmul(x.numpy(), weight.numpy(), out.numpy())
-    return out
-
-
-def _torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
 
 
 class _OpsBetween:
@@ -62,7 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     weights = [[torch.randn(n, k) for n, k in SHAPES] for _ in range(args.layers)]
-    forms = {"torch": _torch, "rust": _rust}
+    # The very products the server's chooser picks between.
+    forms = {"torch": PRODUCTS["torch"], "rust": PRODUCTS["rust"]}
     print(f"torch threads {torch.get_num_threads()}, GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}")
     print("| rows | F.linear ms | skinny_matmul ms | F.linear / skinny_matmul |\n|---|---|---|---|")
     for rows in args.rows:

@@ -26,6 +26,7 @@ form may be used, `keep_openmp_from_spinning` sets GOMP_SPINCOUNT=0 unless the u
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
@@ -94,15 +95,20 @@ def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 THREADS_ENV = "SGLANG_DART_GEMM_THREADS"
 
 
-def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # The Rust team reads its size once, at its first product: as many threads as torch's pool here.
+@functools.cache
+def _size_rust_team() -> None:
+    """The Rust team reads its size once, at its first product: as many threads as torch's pool here."""
     os.environ.setdefault(THREADS_ENV, str(torch.get_num_threads()))
+
+
+def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _size_rust_team()
     out = x.new_empty(x.shape[0], weight.shape[0])
     skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
     return out
 
 
-_PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "torch": _torch,
     "transposed": _transposed,
     "rust": _rust,
@@ -135,7 +141,7 @@ def _timed_product(choice: _BucketChoice, x: torch.Tensor, weight: torch.Tensor)
     have enough."""
     form = min(choice.forms, key=lambda f: len(choice.seconds.setdefault(f, [])))
     start = time.perf_counter()
-    out = _PRODUCTS[form](x, weight)
+    out = PRODUCTS[form](x, weight)
     choice.seconds[form].append(time.perf_counter() - start)
     if all(len(choice.seconds[f]) >= SAMPLES_PER_FORM for f in choice.forms):
         medians = {f: statistics.median(choice.seconds[f]) for f in choice.forms}
@@ -162,7 +168,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if current != "auto":
         if current not in forms:
             return F.linear(x, weight, bias)
-        out = _PRODUCTS[current](flat, weight)
+        out = PRODUCTS[current](flat, weight)
     else:
         key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows))
         choice = _choices.get(key) or _choices.setdefault(key, _BucketChoice(forms))
@@ -171,7 +177,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         elif choice.chosen in (None, "torch") or choice.chosen not in forms:
             return F.linear(x, weight, bias)  # exactly SGLang's computation
         else:
-            out = _PRODUCTS[choice.chosen](flat, weight)
+            out = PRODUCTS[choice.chosen](flat, weight)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
