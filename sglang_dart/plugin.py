@@ -100,13 +100,14 @@ def register() -> None:
     from sglang_dart.cpu import detect
 
     if detect.cpu_engine_active():
-        from sglang_dart.cpu import skinny_gemm
+        from sglang_dart.cpu import skinny_gemm, small_step_threads
         from sglang_dart.cpu.grammar import allow_grammar_without_cuda
 
         allow_grammar_without_cuda()
         try:
             skinny_gemm.install()
             skinny_gemm.keep_openmp_from_spinning()
+            small_step_threads.install()
         except ValueError as err:
             # SGLang logs and skips a plugin that raises; a bad setting must stop the server instead.
             raise SystemExit(f"sglang_dart: {err}") from err

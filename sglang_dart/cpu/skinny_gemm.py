@@ -95,10 +95,14 @@ def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 THREADS_ENV = "SGLANG_DART_GEMM_THREADS"
 
 
+def size_rust_team(threads: int) -> None:
+    """The Rust team reads its size once, at its first product; this sets it unless the user did."""
+    os.environ.setdefault(THREADS_ENV, str(threads))
+
+
 @functools.cache
 def _size_rust_team() -> None:
-    """The Rust team reads its size once, at its first product: as many threads as torch's pool here."""
-    os.environ.setdefault(THREADS_ENV, str(torch.get_num_threads()))
+    size_rust_team(torch.get_num_threads())  # as many threads as torch's pool here
 
 
 def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

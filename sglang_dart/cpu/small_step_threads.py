@@ -1,0 +1,100 @@
+"""Run the torch ops of small forwards (decode, tree verify) on one OpenMP thread.
+
+A decode or verify forward of a few tokens is hundreds of tiny torch ops (K/V concats, row gathers, a
+small attention per layer). Each that ATen parallelises wakes torch's sleeping OpenMP workers, and on
+the 2-core VM measured a wake cost 100-250 us: a `cat` of 12k floats took 180 us, a 54-row
+`index_select` 130 us, a one-query attention over 51 keys 250 us (torch profiler, SmolLM2 decode at
+batch 1), about a third of the step. Run on the calling thread alone these ops take a few microseconds.
+The linear layers, where a small forward's real work is, keep both cores: their few-row products run
+on the Rust team (`skinny_gemm`), which does not use torch's pool.
+
+So forwards of at most `SGLANG_DART_SMALL_STEP_TOKENS` tokens (default 64, the Rust product's reach; 0
+turns this off) set torch to one thread, and larger ones (prefill, big batches) restore the process's
+configured count, read at the first forward. Only models whose linears the Rust product can take
+(float32, `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: bf16 or AMX-packed linears stay on
+torch's pool, which needs every thread. The setting stays in force after the forward, so the
+sampler and the DART worker's draft forward and top-k of a small step run single-threaded too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+
+from sglang_dart.cpu import skinny_gemm
+
+logger = logging.getLogger(__name__)
+
+ENV = "SGLANG_DART_SMALL_STEP_TOKENS"
+DEFAULT_TOKENS = 64
+
+
+@functools.cache
+def small_step_tokens() -> int:
+    raw = os.environ.get(ENV, str(DEFAULT_TOKENS)).strip()
+    try:
+        tokens = int(raw)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"{ENV}={raw!r}: expected a token count >= 0 (0 turns this off)")
+    return tokens
+
+
+@functools.cache
+def configured_threads() -> int:
+    """torch's thread count as SGLang set it up, captured before the first switch; the Rust team is
+    sized from it here too, so that it never inherits the single-thread setting."""
+    threads = torch.get_num_threads()
+    skinny_gemm.size_rust_team(threads)
+    logger.info(
+        "sglang_dart: forwards of at most %d tokens run torch ops on 1 thread, larger ones on %d (%s)",
+        small_step_tokens(), threads, ENV,
+    )  # fmt: skip
+    return threads
+
+
+def threads_for(num_tokens: int) -> int:
+    limit = small_step_tokens()
+    return 1 if 0 < num_tokens <= limit else configured_threads()
+
+
+def apply_for(num_tokens: int) -> None:
+    configured_threads()
+    wanted = threads_for(num_tokens)
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+
+
+def _forward_tokens(forward_batch: Any) -> int:
+    input_ids = getattr(forward_batch, "input_ids", None)
+    return int(input_ids.numel()) if isinstance(input_ids, torch.Tensor) else 0
+
+
+def rust_takes_the_linears(model_runner: Any) -> bool:
+    return (
+        getattr(model_runner, "dtype", None) == torch.float32
+        and str(getattr(model_runner, "device", "cpu")) == "cpu"
+        and skinny_gemm.mode() in ("auto", "rust")
+    )
+
+
+def install() -> None:
+    """Wrap SGLang's ModelRunner.forward (CPU engine processes only) to pick torch's thread count."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    if small_step_tokens() == 0 or getattr(ModelRunner.forward, "_sglang_dart", False):
+        return
+    sglang_forward = ModelRunner.forward
+
+    def forward(self, forward_batch, *args, **kwargs):  # noqa: ANN001, ANN202
+        if rust_takes_the_linears(self) and forward_batch.input_ids is not None:
+            apply_for(_forward_tokens(forward_batch))
+        return sglang_forward(self, forward_batch, *args, **kwargs)
+
+    forward._sglang_dart = True
+    ModelRunner.forward = forward
