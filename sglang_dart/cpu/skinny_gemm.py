@@ -16,8 +16,8 @@ calls of a bucket rotate through the forms and are timed, then the fastest is ke
 
 `SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `rust` (force a
 form wherever it applies). The Rust team has as many threads (caller included) as torch uses in the
-process unless `SGLANG_DART_GEMM_THREADS` says otherwise; `SGLANG_DART_GEMM_SPIN_US` (default 0) makes its
-helpers poll that long after each product before sleeping.
+process unless `SGLANG_DART_GEMM_THREADS` says otherwise; `SGLANG_DART_GEMM_SPIN_US` (default 0; 1000
+where `small_step_threads` is on) makes its helpers poll that long after each product before sleeping.
 
 After each parallel region libgomp's workers spin (GOMP_SPINCOUNT, 300000 by default) waiting for the
 next one, and on a 2-core machine that spinning takes a core from the Rust helpers. So where the Rust
@@ -93,6 +93,7 @@ def _transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 THREADS_ENV = "SGLANG_DART_GEMM_THREADS"
+TEAM_SPIN_ENV = "SGLANG_DART_GEMM_SPIN_US"
 
 
 def size_rust_team(threads: int) -> None:

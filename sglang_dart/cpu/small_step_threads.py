@@ -1,12 +1,11 @@
 """Run the torch ops of small forwards (decode, tree verify) on one OpenMP thread.
 
 A decode or verify forward of a few tokens is hundreds of tiny torch ops (K/V concats, row gathers, a
-small attention per layer). Each that ATen parallelises wakes torch's sleeping OpenMP workers, and on
-the 2-core VM measured a wake cost 100-250 us: a `cat` of 12k floats took 180 us, a 54-row
-`index_select` 130 us, a one-query attention over 51 keys 250 us (torch profiler, SmolLM2 decode at
-batch 1), about a third of the step. Run on the calling thread alone these ops take a few microseconds.
-The linear layers, where a small forward's real work is, keep both cores: their few-row products run
-on the Rust team (`skinny_gemm`), which does not use torch's pool.
+small attention per layer). Each that ATen parallelises wakes torch's sleeping OpenMP workers (the
+launcher sets GOMP_SPINCOUNT=0, see `skinny_gemm`), which costs more than the op on the 2-core VM
+measured: 120 rounds of a layer's in-between ops (RMSNorm, K/V concat, small attention) took 65 ms with
+torch on 2 threads and 20 ms on one. The linear layers, where a small forward's real work is, keep both
+cores: their few-row products run on the Rust team (`skinny_gemm`), which does not use torch's pool.
 
 So forwards of at most `SGLANG_DART_SMALL_STEP_TOKENS` tokens (default 64, the Rust product's reach; 0
 turns this off) set torch to one thread, and larger ones (prefill, big batches) restore the process's
@@ -14,6 +13,10 @@ configured count, read at the first forward. Only models whose linears the Rust 
 (float32, `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: bf16 or AMX-packed linears stay on
 torch's pool, which needs every thread. The setting stays in force after the forward, so the
 sampler and the DART worker's draft forward and top-k of a small step run single-threaded too.
+Where this is on, the Rust team's helpers also poll for 1 ms after each product before sleeping
+(`SGLANG_DART_GEMM_SPIN_US`, unless set): torch's workers no longer need that core during a small
+forward, and a polling helper joins the next product at once instead of after a VM wake-up.
+(benchmarks/results/throughput.md, run 16.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_DART_SMALL_STEP_TOKENS"
 DEFAULT_TOKENS = 64
+# How long the Rust team's helpers poll after a product where this is on, unless the user set it.
+TEAM_SPIN_US = 1000
 
 
 @functools.cache
@@ -51,6 +56,8 @@ def configured_threads() -> int:
     sized from it here too, so that it never inherits the single-thread setting."""
     threads = torch.get_num_threads()
     skinny_gemm.size_rust_team(threads)
+    # Polling no longer takes a core from torch's workers, which sleep through small forwards.
+    os.environ.setdefault(skinny_gemm.TEAM_SPIN_ENV, str(TEAM_SPIN_US))
     logger.info(
         "sglang_dart: forwards of at most %d tokens run torch ops on 1 thread, larger ones on %d (%s)",
         small_step_tokens(), threads, ENV,

@@ -42,13 +42,15 @@ def test_limit_comes_from_the_environment_and_zero_turns_it_off():
     assert _run(code, **{small_step_threads.ENV: "0"}) == "[2, 2, 2]"
 
 
-def test_rust_team_keeps_the_configured_size_after_a_small_step():
+def test_rust_team_keeps_the_configured_size_and_polls_unless_set():
     code = (
         "from sglang_dart.cpu import skinny_gemm; s.apply_for(1); "
         "skinny_gemm._rust(torch.randn(2, 8), torch.randn(4, 8)); "
-        "print(torch.get_num_threads(), os.environ[skinny_gemm.THREADS_ENV])"
+        "print(torch.get_num_threads(), os.environ[skinny_gemm.THREADS_ENV], "
+        "os.environ[skinny_gemm.TEAM_SPIN_ENV])"
     )
-    assert _run(code) == "1 2"
+    assert _run(code) == f"1 2 {small_step_threads.TEAM_SPIN_US}"
+    assert _run(code, **{skinny_gemm.TEAM_SPIN_ENV: "0"}) == "1 2 0"
 
 
 @pytest.mark.parametrize("value", ["-1", "many", "1.5"])

@@ -7,8 +7,8 @@
 //! from a shared counter, so a late helper costs nothing and an early one shares the work.
 //! After a loop, helpers may keep polling (yielding the core) for `SGLANG_DART_GEMM_SPIN_US`
 //! microseconds before they park. The default, [`DEFAULT_SPIN_US`], is no polling, which costs no CPU
-//! when idle. On the 2-core VM, measurements of 1 ms polling disagreed: separate runs favoured none,
-//! while two same-run A/Bs favoured polling for DART (benchmarks/results/throughput.md, run 15).
+//! when idle; the SGLang plugin sets 1 ms where torch's own workers sleep through small forwards
+//! (`sglang_dart/cpu/small_step_threads.py`; benchmarks/results/throughput.md, runs 15-16).
 //!
 //! One loop runs at a time; a second caller meanwhile runs its loop alone rather than wait.
 
