@@ -10,9 +10,10 @@ cores: their few-row products run on the Rust team (`skinny_gemm`), which does n
 So forwards of at most `SGLANG_DART_SMALL_STEP_TOKENS` tokens (default 64, the Rust product's reach; 0
 turns this off) set torch to one thread, and larger ones (prefill, big batches) restore the process's
 configured count, read at the first forward. Only models whose linears the Rust product can take
-(float32, `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: bf16 or AMX-packed linears stay on
-torch's pool, which needs every thread. The setting stays in force after the forward, so the
-sampler and the DART worker's draft forward and top-k of a small step run single-threaded too.
+(float32, `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: other dtypes' linears (SGLang packs
+weights for AMX only for 16- and 8-bit dtypes) run on torch's pool, which needs every thread. The
+setting stays in force after the forward, so the sampler and the DART worker's draft forward and top-k
+of a small step run single-threaded too.
 Where this is on, the Rust team's helpers also poll for 1 ms after each product before sleeping
 (`SGLANG_DART_GEMM_SPIN_US`, unless set): torch's workers no longer need that core during a small
 forward, and a polling helper joins the next product at once instead of after a VM wake-up.
