@@ -1,6 +1,6 @@
 """Regenerate training conversations with the target itself, through a real SGLang server.
 
-    python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts 380]
+    python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts N]
         [--max-new-tokens 256] [--concurrency 16] [--dtype auto] [--exclude-file PROMPTS.txt]
         [--temperature 0.0] [--samples-per-prompt 1]
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--target", required=True, type=Path, help="target model directory (HF layout)")
     p.add_argument("--out", required=True, type=Path, help="output .jsonl")
-    p.add_argument("--num-prompts", type=int, default=380)
+    p.add_argument("--num-prompts", type=int, default=None, help="default: every prompt of the pool")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
