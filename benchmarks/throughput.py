@@ -144,8 +144,8 @@ def main() -> None:
         "--requests",
         type=int,
         default=len(PROMPTS),
-        help="requests per measurement (at least the batch size; that many in flight); 0: the batch "
-        "size, as runs 1-17 did, which measures batch 1 on a single prompt",
+        help="requests per measurement, `batch size` of them in flight (never fewer than the batch "
+        "size); 0: the batch size, as runs 1-17 did, which measures batch 1 on a single prompt",
     )
     parser.add_argument(
         "--dtype",
