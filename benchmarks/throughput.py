@@ -245,7 +245,7 @@ def main() -> None:
 
     print(f"\nmachine: {platform.machine()}, {platform.processor() or 'cpu'}; "
           f"model {model.name} (--dtype {args.dtype}); "
-          f"{args.new_tokens} new tokens, greedy, {args.requests or 'batch-size'} requests per measurement; "
+          f"{args.new_tokens} new tokens, greedy, max(batch size, {args.requests}) requests per measurement; "
           f"median of {args.repeats} interleaved runs (NGRAM: 1); "
           f"logs in {logs}\n")  # fmt: skip
     columns = (
