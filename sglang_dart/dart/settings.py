@@ -5,8 +5,8 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
 - 3-gram store: `--speculative-ngram-external-corpus-path` (built by `python -m sglang_dart.ngram build`);
 - tree size N, root included: `--speculative-num-draft-tokens` (default 16), the largest tree a step
   verifies; the tree shrinks as the batch grows (`tree_sizes.py`) by `SGLANG_DART_TREE_SIZES`, else the
-  drafter config's `dart_tree_sizes`, else a default for the device (`fixed`: always N; `auto`: chosen from
-  measured step times, `adaptive_sizes.py`);
+  drafter config's `dart_tree_sizes`, else a default for the device (and on a CPU, for AMX with a bf16
+  target) (`fixed`: always N; `auto`: chosen from measured step times, `adaptive_sizes.py`);
 - candidates per depth k: `--speculative-eagle-topk` (default 8). SGLang reserves KV per request and step
   for `num_steps × topk` tokens, while a DART step writes exactly N, so at start-up k moves to the
   environment variable `SGLANG_DART_TOPK` (inherited by the scheduler processes) and the flag becomes 1;
@@ -26,8 +26,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sglang_dart.cpu.detect import cpu_has_amx_bf16
 from sglang_dart.dart.adaptive_sizes import AUTO, AdaptiveTreeSizes
-from sglang_dart.dart.tree_sizes import TreeSizeSchedule, TreeSizesError, default_schedule
+from sglang_dart.dart.tree_sizes import (
+    TreeSizeSchedule,
+    TreeSizesError,
+    default_schedule,
+    default_schedule_key,
+)
 from sglang_dart.drafter import DraftConfig, DraftConfigError
 from sglang_dart.pruner import PrunerConfig
 
@@ -58,12 +64,15 @@ def _draft_config_json(server_args: Any) -> dict[str, Any]:
     return json.loads((Path(server_args.speculative_draft_model_path) / "config.json").read_text())
 
 
-def tree_size_schedule(server_args: Any) -> TreeSizeSchedule | AdaptiveTreeSizes:
-    """Tree size by batch size, capped at --speculative-num-draft-tokens."""
+def tree_size_schedule(server_args: Any, target_dtype: Any = None) -> TreeSizeSchedule | AdaptiveTreeSizes:
+    """Tree size by batch size, capped at --speculative-num-draft-tokens. The default depends on the
+    device and, on a CPU, on the target's dtype (`target_dtype`, the loaded model's; None: --dtype)."""
     largest = server_args.speculative_num_draft_tokens
     text = os.environ.get(TREE_SIZES_ENV, _draft_config_json(server_args).get(TREE_SIZES_KEY))
     if text is None:
-        return default_schedule(server_args.device, largest)
+        dtype = str(target_dtype if target_dtype is not None else getattr(server_args, "dtype", "auto"))
+        key = default_schedule_key(server_args.device, dtype, cpu_has_amx_bf16())
+        return default_schedule(key, largest)
     if str(text).strip().lower() == AUTO:
         return AdaptiveTreeSizes(largest)
     try:

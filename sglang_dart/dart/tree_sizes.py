@@ -72,12 +72,24 @@ class TreeSizeSchedule:
 
 
 # Defaults when neither the environment nor the drafter's config names a schedule.
-# CPU: measured with SmolLM2-135M on 2 cores (benchmarks/results/throughput.md, run 5): trees of 8 win at
-# batch 1-2 (about 2x and 1.1x); from batch 4 on every tree size measured (8, 4) lost to plain decoding.
+# CPU: measured with SmolLM2-135M on 2 cores (benchmarks/results/throughput.md, run 5, and on an AVX2 EPYC
+# in float32, runs 11-18): trees of 8 win at batch 1-2; from batch 4 on no tree size beat plain decoding.
+# CPU with AMX and a bf16 target: oneDNN computes a linear layer of 8-32 rows at about the cost of one row,
+# so trees still win at batches 4-15 (run 19: trees of 8 1.45-1.50x plain at batch 4, trees of 4 1.27x at
+# batch 8); at batch 16 trees of 8 and 4 lost (0.93-0.97x).
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:1"}
+CPU_AMX = "cpu-amx"
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:8,8:4,16:1"}
+
+
+def default_schedule_key(device: str, target_dtype: str, cpu_has_amx_bf16: bool) -> str:
+    """Which default applies: the device, or `cpu-amx` for a bf16 target on a CPU with AMX bf16 tiles
+    (`target_dtype` as torch prints it, e.g. `torch.bfloat16`)."""
+    if device == "cpu" and cpu_has_amx_bf16 and target_dtype.removeprefix("torch.") == "bfloat16":
+        return CPU_AMX
+    return device
 
 
 def default_schedule(device: str, max_size: int) -> TreeSizeSchedule:

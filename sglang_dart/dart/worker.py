@@ -115,7 +115,7 @@ class DartWorker(NGRAMWorker):
         self.store = NgramStore(server_args.speculative_ngram_external_corpus_path)
         self._check_store(target_worker.tokenizer, vocab)
         self.pruner_config = pruner_config(server_args)
-        self.tree_sizes = tree_size_schedule(server_args)
+        self.tree_sizes = tree_size_schedule(server_args, self.model_runner.dtype)
         logger.info("DART tree size by batch size: %s", self.tree_sizes.describe())
         self.step_clock = StepClock()  # step times for an adaptive schedule
         self._planned_size: int | None = None  # chosen when the step before drafted (or did not)

@@ -6,9 +6,17 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from sglang_dart.dart import settings
 from sglang_dart.dart.settings import DartArgsError, tree_size_schedule
-from sglang_dart.dart.tree_sizes import TreeSizeSchedule, TreeSizesError, default_schedule
+from sglang_dart.dart.tree_sizes import (
+    CPU_AMX,
+    TreeSizeSchedule,
+    TreeSizesError,
+    default_schedule,
+    default_schedule_key,
+)
 
 
 def test_lookup_by_batch_size():
@@ -66,3 +74,24 @@ def test_environment_overrides_the_drafter_config(tmp_path, monkeypatch):
         tree_size_schedule(args)
     monkeypatch.delenv("SGLANG_DART_TREE_SIZES")
     assert tree_size_schedule(_server_args(tmp_path, {})) == default_schedule("cpu", 8)
+
+
+def test_bf16_targets_on_amx_cpus_get_their_own_default():
+    assert default_schedule_key("cpu", "torch.bfloat16", cpu_has_amx_bf16=True) == CPU_AMX
+    assert default_schedule_key("cpu", "bfloat16", cpu_has_amx_bf16=True) == CPU_AMX
+    for dtype, amx in (("torch.float32", True), ("torch.bfloat16", False), ("auto", True)):
+        assert default_schedule_key("cpu", dtype, cpu_has_amx_bf16=amx) == "cpu"
+    assert default_schedule_key("cuda", "torch.bfloat16", cpu_has_amx_bf16=True) == "cuda"
+    amx = default_schedule(CPU_AMX, max_size=16)
+    sizes = [amx.size_for(bs) for bs in range(1, 129)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1 and sizes[-1] == 1
+
+
+def test_the_loaded_targets_dtype_picks_the_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
+    monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda: True)
+    args = _server_args(tmp_path, {})
+    assert tree_size_schedule(args, torch.bfloat16) == default_schedule(CPU_AMX, 8)
+    assert tree_size_schedule(args, torch.float32) == default_schedule("cpu", 8)
+    monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda: False)
+    assert tree_size_schedule(args, torch.bfloat16) == default_schedule("cpu", 8)
