@@ -33,16 +33,3 @@ def cpu_engine_wanted() -> bool:
 
 def cpu_engine_active() -> bool:
     return os.environ.get(CPU_ENGINE_ENV) == "1"
-
-
-def cpu_has_amx_bf16() -> bool:
-    """True when the CPU advertises AMX bf16 tiles (Xeon Sapphire Rapids and later), on which oneDNN runs
-    a bf16 matrix product of a few dozen rows at about the cost of one row."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False

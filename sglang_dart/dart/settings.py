@@ -26,7 +26,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sglang_dart.cpu.detect import cpu_has_amx_bf16
 from sglang_dart.dart.adaptive_sizes import AUTO, AdaptiveTreeSizes
 from sglang_dart.dart.tree_sizes import (
     TreeSizeSchedule,
@@ -62,6 +61,17 @@ class DartArgsError(ValueError):
 
 def _draft_config_json(server_args: Any) -> dict[str, Any]:
     return json.loads((Path(server_args.speculative_draft_model_path) / "config.json").read_text())
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles (Xeon Sapphire Rapids on; all of them do bf16), by torch's own check,
+    the one SGLang's `cpu_has_amx_support` calls."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a private torch function: another torch version may lack it
+        return False
 
 
 def tree_size_schedule(server_args: Any, target_dtype: Any = None) -> TreeSizeSchedule | AdaptiveTreeSizes:

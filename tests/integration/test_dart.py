@@ -3,7 +3,9 @@ really get accepted, and clear start-up errors for what DART cannot run with."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -360,6 +362,35 @@ def test_adaptive_tree_size_stays_lossless(tiny_qwen3_dir, own_store_assets, ser
     assert "DART tree size by batch size: auto" in log
     taus = [float(tau) for _, tau in _DECODE_LINE.findall(log)]
     assert any(tau == 1.0 for tau in taus) and any(tau > 1.0 for tau in taus), taus
+
+
+def test_default_tree_sizes_follow_the_loaded_dtype(
+    tiny_qwen3_dir, qwen3_assets, server_logs, monkeypatch, tmp_path
+):
+    """With no schedule set, the worker picks the CPU default from the dtype the target was loaded in, not
+    from --dtype: a model whose config says bf16, served with --dtype auto, gets `cpu-amx`'s schedule on a
+    CPU with AMX tiles (the plain CPU one elsewhere)."""
+    from sglang_dart.dart.settings import cpu_has_amx_bf16
+    from sglang_dart.dart.tree_sizes import default_schedule, default_schedule_key
+
+    monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
+    model = tmp_path / "qwen3-bf16"
+    shutil.copytree(tiny_qwen3_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    config.pop("dtype", None)
+    (model / "config.json").write_text(json.dumps(config))
+    draft, store = qwen3_assets
+    expected = default_schedule(default_schedule_key("cpu", "torch.bfloat16", cpu_has_amx_bf16()), 8)
+    args = [*_dart_args(draft, store), "--dtype", "auto"]  # the later --dtype wins
+    server = SglangServer(model, args, server_logs / "qwen3-bf16-default-sizes.log").start()
+    try:
+        out = server.generate({"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
+        log = server.log_text()
+    finally:
+        server.stop()
+    assert len(out["output_ids"]) == 4
+    assert f"DART tree size by batch size: {expected.describe()}\n" in log, expected.describe()
 
 
 def test_root_only_steps_are_plain_decoding(
