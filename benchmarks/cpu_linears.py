@@ -9,7 +9,7 @@ the medians and their ratio.
 Shapes are SmolLM2-135M's (qkv 576->960, o 576->576, gate/up 576->3072, down 1536->576), float32, one
 weight copy per layer so that weights stream from memory. The knobs the Rust form reads at its first
 product (SGLANG_DART_GEMM_THREADS, SGLANG_DART_GEMM_SPIN_US) and GOMP_SPINCOUNT (read when torch loads)
-come from the environment; GOMP_SPINCOUNT defaults to 0 here as in the server.
+come from the environment; GOMP_SPINCOUNT defaults to 0 here as in a float32 server.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("GOMP_SPINCOUNT", "0")  # before torch loads libgomp, as the plugin does
+os.environ.setdefault("GOMP_SPINCOUNT", "0")  # before torch loads libgomp, as the launcher does for float32
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

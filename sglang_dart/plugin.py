@@ -94,6 +94,23 @@ def register_dart() -> None:
     )(worker_class)
 
 
+def _spin_policy_from_server_args(_result, server_args, *_args, **_kwargs) -> None:  # noqa: ANN001
+    from sglang_dart.cpu import skinny_gemm
+
+    skinny_gemm.keep_openmp_from_spinning(server_args.dtype)
+
+
+def set_openmp_spinning_once_args_are_known() -> None:
+    """Whether torch's OpenMP workers may spin depends on the target's dtype, known only once the server
+    arguments are parsed: hook ServerArgs.__post_init__, which runs in the launching process (server and
+    Engine alike) before the scheduler processes are spawned."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.__post_init__", _spin_policy_from_server_args, HookType.AFTER
+    )
+
+
 def register() -> None:
     register_dart()
     put_ninja_on_path()
@@ -106,7 +123,7 @@ def register() -> None:
         allow_grammar_without_cuda()
         try:
             skinny_gemm.install()
-            skinny_gemm.keep_openmp_from_spinning()
+            set_openmp_spinning_once_args_are_known()
             small_step_threads.install()
         except ValueError as err:
             # SGLang logs and skips a plugin that raises; a bad setting must stop the server instead.

@@ -21,7 +21,9 @@ where `small_step_threads` is on) makes its helpers poll that long after each pr
 
 After each parallel region libgomp's workers spin (GOMP_SPINCOUNT, 300000 by default) waiting for the
 next one, and on a 2-core machine that spinning takes a core from the Rust helpers. So where the Rust
-form may be used, `keep_openmp_from_spinning` sets GOMP_SPINCOUNT=0 unless the user set it.
+form may be used (a float32 target), `keep_openmp_from_spinning` sets GOMP_SPINCOUNT=0 unless the user
+set it. Elsewhere the spinning pays: with a bf16 target, where every linear is torch's, turning it off
+made plain decoding 1.4x slower (benchmarks/results/throughput.md, run 20).
 """
 
 from __future__ import annotations
@@ -77,10 +79,15 @@ def mode() -> str:
 SPIN_ENV = "GOMP_SPINCOUNT"
 
 
-def keep_openmp_from_spinning() -> None:
+# --dtype values SGLang loads as float32; `auto` never does (it maps a float32 config to float16).
+FLOAT32_DTYPE_NAMES = ("float32", "float")
+
+
+def keep_openmp_from_spinning(dtype: str) -> None:
     """libgomp reads GOMP_SPINCOUNT once, when torch loads it, so this must run in the launching process
-    before it spawns the scheduler processes (they inherit the environment)."""
-    if mode() in ("auto", "rust"):
+    once the server arguments are known and before it spawns the scheduler processes (they inherit the
+    environment). `dtype` is the server's --dtype: the Rust product takes float32 weights only."""
+    if mode() in ("auto", "rust") and str(dtype).strip().lower() in FLOAT32_DTYPE_NAMES:
         os.environ.setdefault(SPIN_ENV, "0")
 
 

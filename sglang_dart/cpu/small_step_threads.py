@@ -91,6 +91,17 @@ def rust_takes_the_linears(model_runner: Any) -> bool:
     )
 
 
+@functools.cache
+def log_openmp_spinning(rust_linears: bool) -> None:
+    """Once per process: what libgomp was told, which the launcher decides from --dtype (`skinny_gemm`)."""
+    spin = os.environ.get(skinny_gemm.SPIN_ENV)
+    logger.info(
+        "sglang_dart: Rust few-row linears %s; %s",
+        "on" if rust_linears else "off",
+        f"{skinny_gemm.SPIN_ENV}={spin}" if spin is not None else f"{skinny_gemm.SPIN_ENV} unset",
+    )
+
+
 def install() -> None:
     """Wrap SGLang's ModelRunner.forward (CPU engine processes only) to pick torch's thread count."""
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -100,7 +111,9 @@ def install() -> None:
     sglang_forward = ModelRunner.forward
 
     def forward(self, forward_batch, *args, **kwargs):  # noqa: ANN001, ANN202
-        if rust_takes_the_linears(self) and forward_batch.input_ids is not None:
+        rust_linears = rust_takes_the_linears(self)
+        log_openmp_spinning(rust_linears)
+        if rust_linears and forward_batch.input_ids is not None:
             apply_for(_forward_tokens(forward_batch))
         return sglang_forward(self, forward_batch, *args, **kwargs)
 

@@ -4,6 +4,7 @@ really get accepted, and clear start-up errors for what DART cannot run with."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -374,6 +375,7 @@ def test_default_tree_sizes_follow_the_loaded_dtype(
     from sglang_dart.dart.tree_sizes import default_schedule, default_schedule_key
 
     monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     model = tmp_path / "qwen3-bf16"
     shutil.copytree(tiny_qwen3_dir, model)
     config = json.loads((model / "config.json").read_text())
@@ -391,6 +393,16 @@ def test_default_tree_sizes_follow_the_loaded_dtype(
         server.stop()
     assert len(out["output_ids"]) == 4
     assert f"DART tree size by batch size: {expected.describe()}\n" in log, expected.describe()
+    # No Rust product for bf16 weights, so torch's OpenMP workers keep their spinning (1.4x, run 20).
+    assert "Rust few-row linears off; GOMP_SPINCOUNT unset" in log
+
+
+def test_openmp_spinning_is_off_for_a_float32_target(qwen3_dart):
+    """The launcher keeps torch's OpenMP workers from spinning where the Rust product takes the linears
+    (float32 weights), so that they leave the core to its helper threads."""
+    if "GOMP_SPINCOUNT" in os.environ:
+        pytest.skip("GOMP_SPINCOUNT is set for the test run; the launcher keeps a value the user sets")
+    assert "Rust few-row linears on; GOMP_SPINCOUNT=0" in qwen3_dart.log_text()
 
 
 def test_root_only_steps_are_plain_decoding(

@@ -186,14 +186,24 @@ def test_module_keeps_nn_linear_state_dict():
 
 
 @pytest.mark.parametrize(
-    ("form", "preset", "expected"),
-    [("auto", None, "0"), ("rust", None, "0"), ("torch", None, None), ("auto", "300000", "300000")],
+    ("form", "dtype", "preset", "expected"),
+    [
+        ("auto", "float32", None, "0"),
+        ("rust", "float", None, "0"),
+        ("auto", "Float32", None, "0"),
+        ("torch", "float32", None, None),
+        ("auto", "float32", "300000", "300000"),
+        ("auto", "bfloat16", None, None),
+        ("rust", "auto", None, None),
+        ("auto", "float16", None, None),
+    ],
 )
-def test_openmp_spinning_is_turned_off_only_where_rust_may_run(monkeypatch, form, preset, expected):
+def test_openmp_spinning_is_turned_off_only_where_rust_may_run(monkeypatch, form, dtype, preset, expected):
     monkeypatch.setenv(skinny_gemm.ENV, form)
+    # setenv first: monkeypatch records nothing for a delenv of an absent name, so the value set
+    # below would outlive the test.
+    monkeypatch.setenv(skinny_gemm.SPIN_ENV, preset or "")
     if preset is None:
-        monkeypatch.delenv(skinny_gemm.SPIN_ENV, raising=False)
-    else:
-        monkeypatch.setenv(skinny_gemm.SPIN_ENV, preset)
-    skinny_gemm.keep_openmp_from_spinning()
+        monkeypatch.delenv(skinny_gemm.SPIN_ENV)
+    skinny_gemm.keep_openmp_from_spinning(dtype)
     assert os.environ.get(skinny_gemm.SPIN_ENV) == expected
