@@ -75,13 +75,13 @@ class TreeSizeSchedule:
 # CPU: measured with SmolLM2-135M on 2 cores (benchmarks/results/throughput.md, run 5, and on an AVX2 EPYC
 # in float32, runs 11-18): trees of 8 win at batch 1-2; from batch 4 on no tree size beat plain decoding.
 # CPU with AMX and a bf16 target: oneDNN computes a linear layer of 8-32 rows at about the cost of one row,
-# so trees still win at batches 4-15 (run 19: trees of 8 1.45-1.50x plain at batch 4, trees of 4 1.27x at
-# batch 8); at batch 16 trees of 8 and 4 lost (0.93-0.97x).
+# so trees win at every batch measured (run 20: trees of 16 2.08x plain at batch 1, of 8 1.41x at 4, of 4
+# 1.34x at 8, 1.05-1.20x at 16 and 1.05x at 32). Above 32 nothing was measured: root-only from 64.
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
 CPU_AMX = "cpu-amx"
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:8,8:4,16:1"}
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:16,4:8,8:4,64:1"}
 
 
 def default_schedule_key(device: str, target_dtype: str, cpu_has_amx_bf16: bool) -> str:
