@@ -75,13 +75,14 @@ class TreeSizeSchedule:
 # CPU: measured with SmolLM2-135M on 2 cores (benchmarks/results/throughput.md, run 5, and on an AVX2 EPYC
 # in float32, runs 11-18): trees of 8 win at batch 1-2; from batch 4 on no tree size beat plain decoding.
 # CPU with AMX and a bf16 target: oneDNN computes a linear layer of 8-32 rows at about the cost of one row,
-# so trees win at every batch measured (run 20: trees of 16 2.08x plain at batch 1, of 8 1.41x at 4, of 4
-# 1.34x at 8, 1.05-1.20x at 16 and 1.05x at 32). Above 32 nothing was measured: root-only from 64.
+# so trees win at batches 1-15 (run 20: trees of 16 2.07-2.11x plain at batch 1, of 8 1.41-1.48x at 4, of 4
+# 1.26-1.34x at 8). At 16 and 32 trees of 4 ran 1.05-1.21x on servers that had served nothing else but
+# 0.89-1.03x on servers that had served batch 1 first (runs C, E): root-only from 16.
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
 CPU_AMX = "cpu-amx"
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:16,4:8,8:4,64:1"}
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:16,4:8,8:4,16:1"}
 
 
 def default_schedule_key(device: str, target_dtype: str, cpu_has_amx_bf16: bool) -> str:
