@@ -76,8 +76,8 @@ class TreeSizeSchedule:
 # in float32, runs 11-18): trees of 8 win at batch 1-2; from batch 4 on no tree size beat plain decoding.
 # CPU with AMX and a bf16 target: oneDNN computes a linear layer of 8-32 rows at about the cost of one row,
 # so trees win at batches 1-15 (run 20: trees of 16 2.07-2.11x plain at batch 1, of 8 1.41-1.48x at 4, of 4
-# 1.26-1.34x at 8). At 16 and 32 trees of 4 ran 1.05-1.21x on servers that had served nothing else but
-# 0.89-1.03x on servers that had served batch 1 first (runs C, E): root-only from 16.
+# 1.26-1.34x at 8). At 16 and 32 trees of 4 ranged from 0.89x to 1.21x across five runs, no better than
+# root-only steps (0.97-1.06x): root-only from 16.
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
