@@ -3,8 +3,8 @@ target-verify with a per-request tree mask, all through one code path.
 
 Every request r contributes q_len[r] query tokens that follow prefix_len[r] tokens already in the KV pool.
 Keys are laid out per request as [prefix (padded to P) | new tokens (padded to Q)], and one boolean mask
-[bs, Q, P + Q] says which key each query may see. Scores are computed in float32 so that the same token
-gets the same attention output whichever mode (decode, extend, verify) computes it.
+[bs, Q, P + Q] says which key each query may see. Decode, extend and verify all run this one computation,
+in the model's dtype (float16 upcast to float32).
 """
 
 from __future__ import annotations
@@ -108,6 +108,13 @@ def _sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask | ~mask.any(dim=2, keepdim=True) & key0).unsqueeze(1)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """bf16 runs SDPA in bf16 (its CPU flash kernel accumulates scores and the softmax in float32 itself):
+    upcasting every layer's gathered K/V to float32 cost more than the attention (a fresh float32 copy of
+    bs x prefix rows per layer; run 21 in benchmarks/results/throughput.md). float16 is upcast."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def _gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """src[index] for a 2-D index into src's first dimension, as one index_select over the flat index:
     advanced indexing with the 2-D index was up to 4x slower on CPU (16 x 300 slots of [3, 64] float32,
@@ -138,10 +145,11 @@ def attend(
     def per_request(x: torch.Tensor) -> torch.Tensor:  # flat rows -> [bs, Q, heads, dim]
         return x.view(bs, width_q, *x.shape[1:]) if dense else _gather_rows(x, plan.query_row)
 
-    qp = per_request(q).float().transpose(1, 2)  # [bs, H, Q, D]
+    compute = _compute_dtype(q.dtype)
+    qp = per_request(q).to(compute).transpose(1, 2)  # [bs, H, Q, D]
     k_prefix, v_prefix = _gather_rows(k_cache, plan.prefix_loc), _gather_rows(v_cache, plan.prefix_loc)
-    kp = torch.cat([k_prefix, per_request(k_new)], dim=1).float().transpose(1, 2)
-    vp = torch.cat([v_prefix, per_request(v_new)], dim=1).float().transpose(1, 2)
+    kp = torch.cat([k_prefix, per_request(k_new)], dim=1).to(compute).transpose(1, 2)
+    vp = torch.cat([v_prefix, per_request(v_new)], dim=1).to(compute).transpose(1, 2)
     mask = plan.sdpa_mask
     if sliding_window is not None and sliding_window > -1:
         window = plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window

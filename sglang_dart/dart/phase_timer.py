@@ -1,6 +1,8 @@
-"""Where a DART step's time goes: with SGLANG_DART_PROFILE=1 the worker logs the mean milliseconds per
-step of each phase (target verify, acceptance, draft forward, pruning, ...) every
-SGLANG_DART_PROFILE_EVERY steps (default 50). Off by default; then it costs one attribute check."""
+"""Where a DART step's time goes: with SGLANG_DART_PROFILE=1 the worker logs, every
+SGLANG_DART_PROFILE_EVERY steps (default 50), the mean milliseconds per step of each phase (target
+verify, acceptance, draft forward, pruning, ...) for each batch size it ran, plus "outside": the rest of
+the interval since the previous step ended (the scheduler's own work: result processing, batch upkeep,
+streaming). Off by default; then it costs one attribute check."""
 
 from __future__ import annotations
 
@@ -13,13 +15,18 @@ from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
+OUTSIDE = "outside"
+
 
 class PhaseTimer:
     def __init__(self, enabled: bool | None = None, every: int | None = None) -> None:
         self.enabled = os.environ.get("SGLANG_DART_PROFILE") == "1" if enabled is None else enabled
         self.every = every or int(os.environ.get("SGLANG_DART_PROFILE_EVERY", "50"))
-        self._totals: dict[str, float] = defaultdict(float)
+        self._step: dict[str, float] = defaultdict(float)  # the phases of the step under way
+        self._totals: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._counts: dict[int, int] = defaultdict(int)
         self._steps = 0
+        self._last_end: float | None = None
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -30,17 +37,34 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self._totals[name] += time.perf_counter() - start
+            self._step[name] += time.perf_counter() - start
 
     def step_done(self, batch_size: int) -> None:
         if not self.enabled:
             return
+        now = time.perf_counter()
+        totals = self._totals[batch_size]
+        for name, seconds in self._step.items():
+            totals[name] += seconds
+        if self._last_end is not None:
+            totals[OUTSIDE] += max(now - self._last_end - sum(self._step.values()), 0.0)
+        self._step.clear()
+        self._last_end = now
+        self._counts[batch_size] += 1
         self._steps += 1
-        if self._steps % self.every:
-            return
-        parts = ", ".join(f"{k} {1000 * v / self._steps:.1f}" for k, v in self._totals.items())
-        logger.info(
-            "DART step profile (ms/step over %d steps, last bs %d): %s", self._steps, batch_size, parts
-        )
-        self._totals.clear()
-        self._steps = 0
+        if self._steps % self.every == 0:
+            logger.info("DART step profile (ms/step): %s", self.report())
+            self._totals.clear()
+            self._counts.clear()
+
+    def interrupt(self) -> None:
+        """A prefill ran since the last step: the next interval is not one decode step's."""
+        self._last_end = None
+
+    def report(self) -> str:
+        parts = []
+        for bs in sorted(self._totals, reverse=True):
+            n = self._counts[bs]
+            phases = ", ".join(f"{k} {1000 * v / n:.1f}" for k, v in self._totals[bs].items())
+            parts.append(f"bs {bs} x{n}: {phases}")
+        return "; ".join(parts)

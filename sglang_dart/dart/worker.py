@@ -255,8 +255,10 @@ class DartWorker(NGRAMWorker):
         self, batch: Any, logits: torch.Tensor, roots: list[int], contexts: list[list[int]]
     ) -> None:
         with self.timer.phase("topk"):
-            top = torch.topk(logits.float(), self.candidates, dim=-1)
-            probs = torch.softmax(top.values, dim=-1).cpu().numpy()  # over the top-k, as the reference
+            # top-k in the draft's dtype: upcasting every row of the draft vocabulary first cost more
+            # than the top-k itself; only the k kept values need float32.
+            top = torch.topk(logits, self.candidates, dim=-1)
+            probs = torch.softmax(top.values.float(), dim=-1).cpu().numpy()  # over the top-k (reference)
             tokens = self.drafter.draft_to_target(top.indices).to(torch.int64).cpu().numpy()
         for i, req in enumerate(batch.reqs):
             self._candidates[req.rid] = DraftCandidates(
@@ -358,6 +360,7 @@ class DartWorker(NGRAMWorker):
                 self._prepare_for_speculative_decoding(batch, step_size)
         else:  # a prefill: the interval to the next decode step is not a decode step's
             self.step_clock.interrupt()
+            self.timer.interrupt()
             self._planned_size = None
         if batch.forward_mode.is_target_verify():
             size = batch.spec_info.draft_token_num
