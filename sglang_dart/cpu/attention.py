@@ -43,6 +43,7 @@ class TreeVerifyCpuAttnBackend(TorchNativeAttnBackend):
                 fb.seq_lens,
                 query_lens,
                 getattr(spec, "custom_mask", None),
+                fb.out_cache_loc,
             )
         if self.use_sliding_window_kv_pool:
             return None  # torch_native translates the SWA slots itself
@@ -53,7 +54,12 @@ class TreeVerifyCpuAttnBackend(TorchNativeAttnBackend):
             prefix_lens, query_lens = fb.extend_prefix_lens, fb.extend_seq_lens
         custom_mask = getattr(fb.spec_info, "custom_mask", None) if fb.spec_info is not None else None
         return make_plan(
-            self.req_to_token_pool.req_to_token, fb.req_pool_indices, prefix_lens, query_lens, custom_mask
+            self.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            prefix_lens,
+            query_lens,
+            custom_mask,
+            fb.out_cache_loc,
         )
 
     def _handles(self, layer: Any) -> bool:
@@ -68,16 +74,20 @@ class TreeVerifyCpuAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        if save_kv_cache and k is not None and v is not None:
+        if k is None or v is None:  # the new tokens' KV was written elsewhere: the pool has it
+            k = v = None
+        elif save_kv_cache:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, None), k, v)
-        if k is None or v is None:  # the new tokens' KV was written elsewhere: read it back from the pool
-            k, v = k_cache[fb.out_cache_loc], v_cache[fb.out_cache_loc]
+            k = v = None  # now in the pool, where the plan's key_loc reads it with the prefix in one gather
+        else:  # not stored: attend to it as given
+            k = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim).to(k_cache.dtype)
+            v = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim).to(v_cache.dtype)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = attend(
             self._plan,
             q3,
-            k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim).to(k_cache.dtype),
-            v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim).to(v_cache.dtype),
+            k,
+            v,
             k_cache,
             v_cache,
             scaling=layer.scaling,

@@ -27,6 +27,10 @@ class AttentionPlan:
     key_pos: torch.Tensor  # [bs, P + Q] absolute position of each key
     sdpa_mask: torch.Tensor  # [bs, 1, Q, P + Q]: mask, with padding rows seeing key 0 (finite softmax)
     dense: bool  # every request has Q queries: the flat rows are [bs, Q] as they are, no gather needed
+    # [bs, P + Q] KV pool slot of every key, new tokens included (padding: slot 0); None when the plan was
+    # made without the new tokens' slots. Lets a layer whose new K/V are already in the pool read all keys
+    # with one gather instead of a gather and a concat.
+    key_loc: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -52,8 +56,12 @@ def make_plan(
     prefix_lens: torch.Tensor,
     query_lens: torch.Tensor,
     tree_mask: torch.Tensor | None = None,
+    new_token_loc: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """Plan a forward pass.
+
+    new_token_loc: the KV pool slot of each new token, in flat row order (SGLang's out_cache_loc), if the
+    layers write the new K/V to the pool before attending; then `attend` may be given k_new = v_new = None.
 
     tree_mask: None for causal attention among the new tokens (extend, decode, chain verify). Otherwise a
     flat mask as SGLang's speculative workers build it, for each request in turn a row-major block of
@@ -99,7 +107,13 @@ def make_plan(
     query_pos = prefix_lens.unsqueeze(1) + q_cols
     key_pos = torch.cat([p_cols, prefix_lens.unsqueeze(1) + q_cols], dim=1)
     dense = bool((query_lens == width_q).all())
-    return AttentionPlan(prefix_loc, query_row, q_valid, mask, query_pos, key_pos, _sdpa_mask(mask), dense)
+    key_loc = None
+    if new_token_loc is not None:
+        new_loc = torch.where(q_valid, new_token_loc.to(torch.int64).cpu()[query_row], 0)
+        key_loc = torch.cat([prefix_loc, new_loc], dim=1)
+    return AttentionPlan(
+        prefix_loc, query_row, q_valid, mask, query_pos, key_pos, _sdpa_mask(mask), dense, key_loc
+    )
 
 
 def _sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -125,17 +139,18 @@ def _gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def attend(
     plan: AttentionPlan,
     q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scaling: float,
     logit_cap: float = 0.0,
     sliding_window: int = -1,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k_new/v_new: [T, Hkv, D/Dv] (the new tokens, in q's row order);
-    k_cache/v_cache: [slots, Hkv, D/Dv]. Returns [T, H, Dv] in q's dtype."""
-    out_shape = (q.shape[0], q.shape[1], v_new.shape[-1])
+    """q: [T, H, D]; k_new/v_new: [T, Hkv, D/Dv] (the new tokens, in q's row order), or both None when
+    they are already in the pool at the plan's key_loc; k_cache/v_cache: [slots, Hkv, D/Dv].
+    Returns [T, H, Dv] in q's dtype."""
+    out_shape = (q.shape[0], q.shape[1], v_cache.shape[-1])
     if plan.query_row.numel() == 0:
         return q.new_zeros(out_shape)
     plan = plan.to(q.device)
@@ -147,9 +162,15 @@ def attend(
 
     compute = _compute_dtype(q.dtype)
     qp = per_request(q).to(compute).transpose(1, 2)  # [bs, H, Q, D]
-    k_prefix, v_prefix = _gather_rows(k_cache, plan.prefix_loc), _gather_rows(v_cache, plan.prefix_loc)
-    kp = torch.cat([k_prefix, per_request(k_new)], dim=1).to(compute).transpose(1, 2)
-    vp = torch.cat([v_prefix, per_request(v_new)], dim=1).to(compute).transpose(1, 2)
+    if k_new is None or v_new is None:
+        if plan.key_loc is None or k_new is not v_new:
+            raise ValueError("attend: k_new and v_new are both None only with a plan made with new_token_loc")
+        k_all, v_all = _gather_rows(k_cache, plan.key_loc), _gather_rows(v_cache, plan.key_loc)
+    else:
+        k_prefix, v_prefix = _gather_rows(k_cache, plan.prefix_loc), _gather_rows(v_cache, plan.prefix_loc)
+        k_all = torch.cat([k_prefix, per_request(k_new)], dim=1)
+        v_all = torch.cat([v_prefix, per_request(v_new)], dim=1)
+    kp, vp = k_all.to(compute).transpose(1, 2), v_all.to(compute).transpose(1, 2)
     mask = plan.sdpa_mask
     if sliding_window is not None and sliding_window > -1:
         window = plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window

@@ -80,6 +80,27 @@ class Case:
             **kwargs,
         )
 
+    def run_from_pool(self, tree_mask=None, dtype=None):
+        """As run, but with the new tokens' K/V first written to their pool slots (positions p.. of each
+        request's row, as SGLang's out_cache_loc gives them) and attend reading every key from the pool."""
+        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+        rows = [
+            self.req_to_token[self.req_pool_indices[r], p : p + n].to(torch.int64)
+            for r, (p, n) in enumerate(zip(self.prefix_lens, self.query_lens, strict=True))
+        ]
+        new_loc = torch.cat(rows)
+        k_cache, v_cache = cast(self.k_cache).clone(), cast(self.v_cache).clone()
+        k_cache[new_loc], v_cache[new_loc] = cast(self.k_new), cast(self.v_new)
+        plan = make_plan(
+            self.req_to_token,
+            self.req_pool_indices,
+            torch.tensor(self.prefix_lens, dtype=torch.int64),
+            torch.tensor(self.query_lens, dtype=torch.int32),
+            tree_mask,
+            new_loc.to(torch.int32),
+        )
+        return attend(plan, cast(self.q), None, None, k_cache, v_cache, self.scaling)
+
     def reference(self, logit_cap=0.0, sliding_window=-1, dtype=None):
         """Per request and query head: explicit float64 attention over [prefix from the pool | new tokens]."""
         cast = (lambda t: t.to(dtype).double()) if dtype is not None else (lambda t: t.double())
@@ -259,6 +280,32 @@ def test_logit_cap_changes_the_result():
 def test_sliding_window_none_means_no_window():
     case = Case([9, 2], [3, 4], seed=12)
     torch.testing.assert_close(case.run(sliding_window=None), case.run(), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# new tokens' K/V already in the pool (the backend writes them before attending)
+
+
+@pytest.mark.parametrize(("prefix_lens", "query_lens"), EXTEND_CASES + TREE_CASES)
+def test_keys_read_from_the_pool_equal_the_concat(prefix_lens, query_lens):
+    case = Case(prefix_lens, query_lens, seed=300 + sum(prefix_lens) + len(query_lens), heads=4, kv_heads=2)
+    assert torch.equal(case.run_from_pool(), case.run())  # the same keys in the same order: bit for bit
+    full, _ = case.use_random_trees()
+    assert torch.equal(case.run_from_pool(full), case.run(full))
+    assert_matches(case.run_from_pool(full), case.reference())
+
+
+def test_keys_read_from_the_pool_in_bfloat16():
+    case = Case([5, 0, 9], [3, 4, 2], seed=17)
+    out = case.run_from_pool(dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, case.run(dtype=torch.bfloat16))
+
+
+def test_pool_keys_need_a_plan_with_the_new_slots():
+    case = Case([3], [2], seed=18)
+    with pytest.raises(ValueError, match="new_token_loc"):
+        attend(case.plan(), case.q, None, None, case.k_cache, case.v_cache, case.scaling)
 
 
 # ---------------------------------------------------------------------------------------------------------
