@@ -1,8 +1,9 @@
 """Where a DART step's time goes: with SGLANG_DART_PROFILE=1 the worker logs, every
 SGLANG_DART_PROFILE_EVERY steps (default 50), the mean milliseconds per step of each phase (target
 verify, acceptance, draft forward, pruning, ...) for each batch size it ran, plus "outside": the rest of
-the interval since the previous step ended (the scheduler's own work: result processing, batch upkeep,
-streaming). Off by default; then it costs one attribute check."""
+the interval since the previous decode step ended (the scheduler's own work: result processing, batch
+upkeep, streaming; and the worker's code outside the named phases). Prefills are not counted. Off by
+default; then it costs one attribute check."""
 
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ class PhaseTimer:
             logger.info("DART step profile (ms/step): %s", self.report())
             self._totals.clear()
             self._counts.clear()
+
+    def step_start(self) -> None:
+        """A decode step begins: phases timed since the last one (a prefill's draft) are not its own."""
+        self._step.clear()
 
     def interrupt(self) -> None:
         """A prefill ran since the last step: the next interval is not one decode step's."""

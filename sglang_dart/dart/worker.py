@@ -350,6 +350,7 @@ class DartWorker(NGRAMWorker):
         bs = len(batch.reqs)
         size = self.draft_token_num  # the result stride: this step's tree size after a verify
         if batch.forward_mode.is_decode():
+            self.timer.step_start()
             finished = self.step_clock.start(started)
             if finished is not None:
                 self.tree_sizes.record(*finished)

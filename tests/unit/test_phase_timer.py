@@ -50,3 +50,14 @@ def test_report_resets_after_logging(caplog):
         timer.step_done(3)
     assert any("DART step profile" in r.message and "bs 3 x2" in r.message for r in caplog.records)
     assert timer.report() == ""
+
+
+def test_phases_before_a_step_starts_are_not_its_own():
+    timer = PhaseTimer(enabled=True, every=100)
+    with timer.phase("draft"):  # a prefill's draft forward
+        time.sleep(0.01)
+    timer.step_start()
+    with timer.phase("verify"):
+        pass
+    timer.step_done(1)
+    assert "draft" not in timer.report()
