@@ -163,7 +163,7 @@ def attend(
     compute = _compute_dtype(q.dtype)
     qp = per_request(q).to(compute).transpose(1, 2)  # [bs, H, Q, D]
     if k_new is None or v_new is None:
-        if plan.key_loc is None or k_new is not v_new:
+        if plan.key_loc is None or (k_new is None) != (v_new is None):
             raise ValueError("attend: k_new and v_new are both None only with a plan made with new_token_loc")
         k_all, v_all = _gather_rows(k_cache, plan.key_loc), _gather_rows(v_cache, plan.key_loc)
     else:
