@@ -97,14 +97,30 @@ def _cpu_seconds(server) -> float:
     return total
 
 
-def _measure(server, tokenizer, batch_size: int, new_tokens: int, requests: int) -> Measurement:
+def output_lengths(mean: int, spread: float, count: int) -> list[int]:
+    """max_new_tokens of each of `count` requests: all `mean` when spread is 0; otherwise spread evenly
+    over mean * [1 - spread, 1 + spread] in a fixed low-discrepancy order (the golden-ratio sequence),
+    so every server gets the same lengths for the same prompts and their mean stays near `mean`."""
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"length spread must be in [0, 1), got {spread}")
+    golden = (5**0.5 - 1) / 2
+    fractions = [(i * golden) % 1.0 for i in range(count)]
+    return [max(1, round(mean * (1.0 - spread + 2.0 * spread * f))) for f in fractions]
+
+
+def _measure(
+    server, tokenizer, batch_size: int, new_tokens: int, requests: int, spread: float = 0.0
+) -> Measurement:
     """Warm up with `batch_size` requests, then time max(batch_size, requests) requests with
     `batch_size` in flight (so small batches also average over several prompts)."""
-    params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
     result = Measurement(0.0, 1.0, 0.0)
     # The warm-up run uses other prompts: NGRAM's suffix cache would otherwise replay its own outputs.
     warmup = _chat_ids(tokenizer, WARMUP_PROMPTS, batch_size)
     for ids in (warmup, _chat_ids(tokenizer, PROMPTS, max(batch_size, requests))):
+        params = [
+            {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+            for n in output_lengths(new_tokens, spread, len(ids))
+        ]
         cpu_start, start = _cpu_seconds(server), time.perf_counter()
         outs = server.generate_many(ids, params, batch_size)
         seconds, cpu = time.perf_counter() - start, _cpu_seconds(server) - cpu_start
@@ -139,6 +155,13 @@ def main() -> None:
     parser = dart_parser(__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.0,
+        help="0: every request generates --new-tokens (finishes stay in step, plain's best case); "
+        "s > 0: lengths spread over --new-tokens * [1 - s, 1 + s], as real answers are",
+    )
     parser.add_argument("--num-draft-tokens", type=int, nargs="+", default=[16], help="one DART run each")
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--tree-sizes", nargs="+", default=["default"], help="one DART run each")
@@ -178,6 +201,9 @@ def main() -> None:
         "SGLANG_DART_GEMM_SPIN_US=1000 (an A/B of a knob in one run)",
     )
     args = parser.parse_args()
+    spread = args.length_spread
+    if not 0.0 <= spread < 1.0:
+        parser.error(f"--length-spread {spread}: expected a value in [0, 1)")
     settings = [setting.partition("=") for setting in args.server_env]
     for setting, (variable, sep, _) in zip(args.server_env, settings, strict=True):
         if not sep or not variable:
@@ -228,12 +254,14 @@ def main() -> None:
             for _ in range(args.repeats):
                 for name in steady:
                     runs[name].setdefault(bs, []).append(
-                        _measure(servers[name], tokenizer, bs, args.new_tokens, args.requests)
+                        _measure(servers[name], tokenizer, bs, args.new_tokens, args.requests, spread)
                     )
             if "NGRAM" in configs:
                 server = serve("NGRAM", str(bs))
                 try:
-                    runs["NGRAM"][bs] = [_measure(server, tokenizer, bs, args.new_tokens, args.requests)]
+                    runs["NGRAM"][bs] = [
+                        _measure(server, tokenizer, bs, args.new_tokens, args.requests, spread)
+                    ]
                 finally:
                     server.stop()
     finally:
@@ -251,10 +279,13 @@ def main() -> None:
         for name, by_bs in runs.items()
     }
     others = [name for name in results if name != "plain"]
+    lengths = output_lengths(args.new_tokens, spread, max([args.requests, *args.batch_sizes]))
 
     print(f"\nmachine: {platform.machine()}, {platform.processor() or 'cpu'}; "
           f"model {model.name} (--dtype {args.dtype}); "
-          f"{args.new_tokens} new tokens, greedy, max(batch size, {args.requests}) requests per measurement; "
+          f"{args.new_tokens} new tokens"
+          f"{f' (spread {spread:g}: {min(lengths)}-{max(lengths)})' if spread else ''}, greedy, "
+          f"max(batch size, {args.requests}) requests per measurement; "
           f"median of {args.repeats} interleaved runs (NGRAM: 1); "
           f"logs in {logs}\n")  # fmt: skip
     columns = (

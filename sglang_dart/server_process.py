@@ -114,11 +114,20 @@ class SglangServer:
         resp.raise_for_status()
         return resp.json()
 
-    def generate_many(self, prompts: list[list[int]], params: dict, concurrency: int) -> list[dict]:
-        """One /generate per token-id prompt, `concurrency` in flight at once; results in prompt order."""
+    def generate_many(
+        self, prompts: list[list[int]], params: dict | list[dict], concurrency: int
+    ) -> list[dict]:
+        """One /generate per token-id prompt (params: shared, or one per prompt), `concurrency` in flight
+        at once; results in prompt order."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             return list(
-                pool.map(lambda ids: self.generate({"input_ids": ids, "sampling_params": params}), prompts)
+                pool.map(
+                    lambda job: self.generate({"input_ids": job[0], "sampling_params": job[1]}),
+                    zip(prompts, per_prompt, strict=True),
+                )
             )
 
     def greedy_ids(self, input_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> list[int]:

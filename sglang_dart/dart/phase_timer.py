@@ -2,8 +2,9 @@
 SGLANG_DART_PROFILE_EVERY steps (default 50), the mean milliseconds per step of each phase (target
 verify, acceptance, draft forward, pruning, ...) for each batch size it ran, plus "outside": the rest of
 the interval since the previous decode step ended (the scheduler's own work: result processing, batch
-upkeep, streaming; and the worker's code outside the named phases). Prefills are not counted. Off by
-default; then it costs one attribute check."""
+upkeep, streaming; and the worker's code outside the named phases). Prefills (the target's extend and
+the draft after it) belong to no step: they are reported apart, as their count and mean milliseconds.
+Off by default; then it costs one attribute check."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class PhaseTimer:
         self._counts: dict[int, int] = defaultdict(int)
         self._steps = 0
         self._last_end: float | None = None
+        self._prefills = 0
+        self._prefill_seconds = 0.0
+        self._prefill_draft_seconds = 0.0
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -57,6 +61,7 @@ class PhaseTimer:
             logger.info("DART step profile (ms/step): %s", self.report())
             self._totals.clear()
             self._counts.clear()
+            self._prefills, self._prefill_seconds, self._prefill_draft_seconds = 0, 0.0, 0.0
 
     def step_start(self) -> None:
         """A decode step begins: phases timed since the last one (a prefill's draft) are not its own."""
@@ -65,6 +70,17 @@ class PhaseTimer:
     def interrupt(self) -> None:
         """A prefill ran since the last step: the next interval is not one decode step's."""
         self._last_end = None
+        self._step.clear()
+
+    def prefill_done(self, seconds: float) -> None:
+        """A prefill forward and the draft after it took `seconds`, of which the phases timed since the
+        last step (the draft's) are its draft share."""
+        if not self.enabled:
+            return
+        self._prefills += 1
+        self._prefill_seconds += seconds
+        self._prefill_draft_seconds += sum(self._step.values())
+        self._step.clear()
 
     def report(self) -> str:
         parts = []
@@ -72,4 +88,8 @@ class PhaseTimer:
             n = self._counts[bs]
             phases = ", ".join(f"{k} {1000 * v / n:.1f}" for k, v in self._totals[bs].items())
             parts.append(f"bs {bs} x{n}: {phases}")
+        if self._prefills:
+            n = self._prefills
+            mean_ms, draft_ms = 1000 * self._prefill_seconds / n, 1000 * self._prefill_draft_seconds / n
+            parts.append(f"prefill x{n}: {mean_ms:.1f} (draft {draft_ms:.1f})")
         return "; ".join(parts)

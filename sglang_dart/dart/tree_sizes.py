@@ -76,13 +76,15 @@ class TreeSizeSchedule:
 # in float32, runs 11-18): trees of 8 win at batch 1-2; from batch 4 on no tree size beat plain decoding.
 # CPU with AMX and a bf16 target: oneDNN computes a linear layer of 8-32 rows at about the cost of one row,
 # so trees win at batches 1-15 (run 20: trees of 16 2.07-2.11x plain at batch 1, of 8 1.41-1.48x at 4, of 4
-# 1.26-1.34x at 8). At 16 and 32 trees of 4 ranged from 0.89x to 1.21x across five runs, no better than
-# root-only steps (0.97-1.06x): root-only from 16.
+# 1.26-1.34x at 8). Run 22: trees of 4 at batch 16 run 0.99-1.09x plain when every answer has the same
+# length (plain's best case: its requests finish and are replaced in step) and 1.25x when lengths spread
+# over 32-95 tokens; at 32, 0.87-0.92x and 1.15x. Root-only steps stay level (0.97-1.02x): trees of 4
+# through batch 31, root-only from 32.
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
 CPU_AMX = "cpu-amx"
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:16,4:8,8:4,16:1"}
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:16,4:8,8:4,32:1"}
 
 
 def default_schedule_key(device: str, target_dtype: str, cpu_has_amx_bf16: bool) -> str:

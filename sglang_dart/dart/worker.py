@@ -423,6 +423,7 @@ class DartWorker(NGRAMWorker):
                 on_publish(new_seq_lens)
             if bs:
                 self._draft_after_extend(batch, logits_output.hidden_states, next_token_ids)
+            self.timer.prefill_done(time.perf_counter() - started)
 
         return self._step_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, size)
 

@@ -61,3 +61,20 @@ def test_phases_before_a_step_starts_are_not_its_own():
         pass
     timer.step_done(1)
     assert "draft" not in timer.report()
+
+
+def test_prefills_are_reported_apart_with_their_draft_share():
+    timer = PhaseTimer(enabled=True, every=100)
+    timer.interrupt()  # a prefill starts
+    with timer.phase("draft"):
+        time.sleep(0.002)
+    timer.prefill_done(0.010)
+    timer.step_start()
+    with timer.phase("verify"):
+        pass
+    timer.step_done(1)
+    report = timer.report()
+    assert "draft" not in report.split("prefill")[0]  # the prefill's draft is not the step's
+    prefill = report.split("prefill x1: ")[1]
+    assert float(prefill.split(" ")[0]) == 10.0
+    assert float(prefill.split("draft ")[1].rstrip(")")) >= 2.0
