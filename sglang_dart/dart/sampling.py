@@ -5,12 +5,20 @@ min-p applied as SGLang does for one token) is sampled once. Walking down the tr
 equals the sample at its parent emits exactly the tokens plain sampling would draw, one conditional at a
 time: each emitted token is a fresh draw from the target at the true prefix. SGLang's CPU verify walks the
 tree greedily (argmax), so the samples are handed to it as one-hot logits.
+
+Custom logit processors (`--enable-custom-logit-processor`), which SGLang's tree verify does not run, run
+here on every node's row, after penalties and bias as in plain sampling, each row with its request's
+parameters. A processor that reads the request's history (`custom_params["__req__"]`, as SGLang's
+thinking-budget and no-repeat processors do) sees at a node the request's output followed by the drafts on
+the path to that node: what it would see had those tokens been generated one at a time.
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
 from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
@@ -20,8 +28,63 @@ def _per_node(x: torch.Tensor | None, nodes: int) -> torch.Tensor | None:
     return None if x is None else torch.repeat_interleave(x, nodes, dim=0)
 
 
-def sample_tree_nodes(sampling_info: Any, logits: torch.Tensor, nodes: int) -> torch.Tensor:
-    """One token per row of logits [bs * nodes, V]: argmax for greedy requests, a draw otherwise."""
+def needs_pinning(sampling_info: Any) -> bool:
+    """Whether the verify logits must be replaced by per-node samples: for sampled requests, and for custom
+    logit processors (which SGLang's verify does not run)."""
+    return not sampling_info.is_all_greedy or sampling_info.has_custom_logit_processor
+
+
+def node_paths(tree_masks: np.ndarray, tokens: np.ndarray) -> list[list[list[int]]]:
+    """paths[b][i]: the tokens on the path from request b's root (excluded) to node i (included).
+    tree_masks [bs, n, n] (node i sees node j: j is i or an ancestor, ancestors first), tokens [bs, n]."""
+    bs, n, _ = tree_masks.shape
+    return [
+        [[int(tokens[b, j]) for j in range(1, i + 1) if tree_masks[b, i, j]] for i in range(n)]
+        for b in range(bs)
+    ]
+
+
+class _RequestAtNode:
+    """A request as a tree node's logits see it: the drafts on the node's path appended to its output.
+    Anything else is read from the request itself."""
+
+    def __init__(self, req: Any, path: list[int]) -> None:
+        self._req = req
+        output = req.output_ids  # SGLang keeps token ids in an array("q"); keep the type processors see
+        self.output_ids = output + (array(output.typecode, path) if isinstance(output, array) else list(path))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._req, name)
+
+
+def _params_at_node(params: dict | None, path: list[int]) -> dict | None:
+    if not params or not path or params.get("__req__") is None:
+        return params
+    return {**params, "__req__": _RequestAtNode(params["__req__"], path)}
+
+
+def apply_custom_processors(sampling_info: Any, logits: torch.Tensor, paths: list[list[list[int]]]) -> None:
+    """Run each request's custom logit processor on its node rows of logits [bs * nodes, V], in place.
+    Every row is passed as a request of its own (its request's parameters, history up to the node), so a
+    processor that pairs its parameter list with its rows sees them paired correctly."""
+    if not sampling_info.has_custom_logit_processor:
+        return
+    nodes = len(paths[0]) if paths else 0
+    for processor, request_mask in sampling_info.custom_logit_processor.values():
+        chosen = request_mask.nonzero(as_tuple=True)[0].tolist()
+        rows = torch.tensor([b * nodes + i for b in chosen for i in range(nodes)], device=logits.device)
+        params = [
+            _params_at_node(sampling_info.custom_params[b], paths[b][i]) for b in chosen for i in range(nodes)
+        ]
+        if rows.numel():
+            logits[rows] = processor(logits[rows], params)
+
+
+def sample_tree_nodes(
+    sampling_info: Any, logits: torch.Tensor, nodes: int, paths: list[list[list[int]]] | None = None
+) -> torch.Tensor:
+    """One token per row of logits [bs * nodes, V]: argmax for greedy requests, a draw otherwise.
+    paths (`node_paths`) is needed when the batch has custom logit processors."""
     logits = logits.float().clone()
     additive = _per_node(sampling_info.acc_additive_penalties, nodes)
     if additive is not None:
@@ -32,6 +95,10 @@ def sample_tree_nodes(sampling_info: Any, logits: torch.Tensor, nodes: int) -> t
     bias = _per_node(sampling_info.logit_bias, nodes)
     if bias is not None:
         logits += bias
+    if sampling_info.has_custom_logit_processor:
+        if paths is None:
+            raise ValueError("custom logit processors need the tree's node paths")
+        apply_custom_processors(sampling_info, logits, paths)
     # A node a grammar rules out entirely (under a disallowed ancestor) is never reached; give it finite
     # logits so that its (unused) draw cannot fail on an all -inf row.
     logits[~torch.isfinite(logits).any(dim=-1)] = 0.0
@@ -49,11 +116,13 @@ def sample_tree_nodes(sampling_info: Any, logits: torch.Tensor, nodes: int) -> t
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
-def pin_logits_to_samples(sampling_info: Any, logits: torch.Tensor, nodes: int) -> None:
+def pin_logits_to_samples(
+    sampling_info: Any, logits: torch.Tensor, nodes: int, paths: list[list[list[int]]] | None = None
+) -> None:
     """Replace logits [bs * nodes, V] in place by one-hot rows at each node's sample, so that an argmax
-    tree walk accepts exactly the sampled path. A no-op for all-greedy batches."""
-    if sampling_info.is_all_greedy:
+    tree walk accepts exactly the sampled path. A no-op where `needs_pinning` says so."""
+    if not needs_pinning(sampling_info):
         return
-    samples = sample_tree_nodes(sampling_info, logits, nodes)
+    samples = sample_tree_nodes(sampling_info, logits, nodes, paths)
     logits.fill_(float("-inf"))
     logits.scatter_(1, samples.view(-1, 1), 0.0)

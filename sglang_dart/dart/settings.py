@@ -137,6 +137,8 @@ def validate_server_args(server_args: Any) -> None:
         ("--dp-size > 1", server_args.dp_size == 1),
         ("--page-size > 1", (server_args.page_size or 1) == 1),
         ("--enable-dp-attention", not server_args.enable_dp_attention),
+        # its target forward returns the drafter's taps, not the hidden states a request asks for
+        ("--enable-return-hidden-states", not server_args.enable_return_hidden_states),
     ):
         if not ok:
             raise DartArgsError(f"DART does not support {name} yet")

@@ -42,8 +42,14 @@ from sglang.srt.speculative.spec_utils import (
 
 from sglang_dart.dart.adaptive_sizes import StepClock
 from sglang_dart.dart.draft_runner import DraftRunner
+from sglang_dart.dart.penalties import apply_node_penalties, penalized
 from sglang_dart.dart.phase_timer import PhaseTimer
-from sglang_dart.dart.sampling import pin_logits_to_samples
+from sglang_dart.dart.sampling import (
+    apply_custom_processors,
+    needs_pinning,
+    node_paths,
+    pin_logits_to_samples,
+)
 from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config, tree_size_schedule
 from sglang_dart.dart.verify_mask import full_verify_mask
 from sglang_dart.drafter import load_drafter
@@ -103,7 +109,8 @@ class DartWorker(NGRAMWorker):
         self.topk = server_args.speculative_eagle_topk  # 1: see settings; the pruner's k is below
         self.candidates = candidates_per_depth()
         self.adaptive_controller = None
-        self.grammar_tree_host = None
+        self.grammar_tree_host = None  # NGRAM's; DART keeps every step's trees in tree_host instead
+        self.tree_host: tuple[np.ndarray, np.ndarray] | None = None  # this step's masks and tokens
 
         model, model_config = self.model_runner.model, self.model_runner.model_config
         if not hasattr(model, "set_eagle3_layers_to_capture"):
@@ -192,11 +199,10 @@ class DartWorker(NGRAMWorker):
         return trees.tokens.reshape(-1), trees.tree_mask.reshape(-1)
 
     def _grammar_mask(self, batch: Any, size: int) -> Any:
-        """Per-node vocabulary mask of grammar-constrained requests, walked over this step's trees (staged
-        by _prepare_for_speculative_decoding when the batch has a grammar)."""
-        if not batch.has_grammar or self.grammar_tree_host is None:
+        """Per-node vocabulary mask of grammar-constrained requests, walked over this step's trees."""
+        if not batch.has_grammar or self.tree_host is None:
             return None
-        mask, req_drafts = self.grammar_tree_host
+        mask, req_drafts = self.tree_host
         bs = len(batch.reqs)
         next_token, next_sibling = _derive_tree_links(mask, bs, size)
         drafts = torch.from_numpy(req_drafts).to(torch.int64).view(bs, -1)
@@ -207,6 +213,11 @@ class DartWorker(NGRAMWorker):
             device=batch.seq_lens.device,
             barrier=None,
         )
+
+    def _node_paths(self, bs: int, size: int) -> list[list[list[int]]]:
+        """The drafts on the path to every node of this step's trees (see `sampling.node_paths`)."""
+        mask, tokens = self.tree_host
+        return node_paths(mask.reshape(bs, size, size), tokens.reshape(bs, size))
 
     def _prepare_for_speculative_decoding(self, batch: Any, size: int | None = None) -> None:
         """Turn a decode batch into a TARGET_VERIFY batch over this step's trees (NGRAM's verify layout,
@@ -222,7 +233,7 @@ class DartWorker(NGRAMWorker):
         positions = torch.empty(bs * size, dtype=torch.int64, device=self.device)
         retrieve = [torch.empty((bs, size), dtype=torch.int64, device=self.device) for _ in range(3)]
         ngram.reconstruct_indices_from_tree_mask(tree_mask, batch.seq_lens, positions, *retrieve, bs, size)
-        self.grammar_tree_host = (mask, tokens) if batch.has_grammar else None
+        self.tree_host = (mask, tokens)
         if ngram.USE_FULL_MASK and not ngram._is_cpu:
             custom_mask = full_verify_mask(mask.reshape(bs, size, size), batch.seq_lens_cpu, self.device)
         else:
@@ -343,6 +354,39 @@ class DartWorker(NGRAMWorker):
             for req in batch.reqs:
                 self._candidates.pop(req.rid, None)
 
+    def _verify_trees(
+        self, batch: Any, logits_output: Any, verify_input: Any, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The target's choice at every node, then SGLang's tree walk: (predict, accept_lens, accept_index,
+        the logits logprobs must be computed from or None for the verify logits). Everything plain
+        decoding applies to a token's logits is applied per node: the grammar, exact penalties, logit
+        bias and custom processors; sampled and processed nodes are pinned to their choice."""
+        logits = logits_output.next_token_logits
+        grammar_mask = self._grammar_mask(batch, size)
+        if grammar_mask is not None:  # before sampling: draws come from the constrained target
+            grammar_mask.apply(logits)
+        sampling_info = batch.sampling_info
+        exact_penalties = penalized(batch.reqs)
+        paths = None
+        if exact_penalties or sampling_info.has_custom_logit_processor:
+            paths = self._node_paths(len(batch.reqs), size)
+        if exact_penalties:  # in place of the relaxed per-request ones SGLang keeps for speculation
+            apply_node_penalties(logits, batch.reqs, paths)
+            sampling_info = replace(sampling_info, acc_additive_penalties=None, acc_scaling_penalties=None)
+        # Logprobs must describe the target's distribution, not the one-hot pinned rows.
+        unpinned = None
+        if batch.return_logprob and needs_pinning(sampling_info):
+            unpinned = logits.clone()
+            if paths is not None:
+                apply_custom_processors(sampling_info, unpinned, paths)
+        pin_logits_to_samples(sampling_info, logits, size, paths)
+        scheduler_info, batch.sampling_info = batch.sampling_info, sampling_info
+        try:
+            predict, accept_lens, accept_index = eagle_sample(verify_input, batch, logits_output, None)
+        finally:
+            batch.sampling_info = scheduler_info
+        return predict, accept_lens, accept_index, unpinned
+
     # --- one scheduler step ----------------------------------------------------------------------------
 
     def forward_batch_generation(self, batch: Any, on_publish: Any = None) -> GenerationBatchResult:
@@ -371,17 +415,9 @@ class DartWorker(NGRAMWorker):
             verify_input = batch.spec_info
             taps = logits_output.hidden_states
             with self.timer.phase("accept"):
-                grammar_mask = self._grammar_mask(batch, size)
-                if grammar_mask is not None:  # before sampling: draws come from the constrained target
-                    grammar_mask.apply(logits_output.next_token_logits)
-                # Logprobs must describe the target's distribution, not the one-hot pinned rows.
-                unpinned = (
-                    logits_output.next_token_logits.clone()
-                    if batch.return_logprob and not batch.sampling_info.is_all_greedy
-                    else None
+                predict, accept_lens, accept_index, unpinned = self._verify_trees(
+                    batch, logits_output, verify_input, size
                 )
-                pin_logits_to_samples(batch.sampling_info, logits_output.next_token_logits, size)
-                predict, accept_lens, accept_index = eagle_sample(verify_input, batch, logits_output, None)
                 new_seq_lens = batch.seq_lens + accept_lens
                 accept_tokens = predict[accept_index].flatten()
                 move_accept_tokens_to_target_kvcache(
@@ -456,9 +492,11 @@ class DartWorker(NGRAMWorker):
     def _plain_decode_fits(self, batch: Any) -> bool:
         """Whether a root-only step can run as a plain decode forward. Not with decode graphs: a spec
         server captures them for verify batches, and a decode batch of the same size would replay one.
-        Not with a grammar or logprobs, which the verify path handles."""
+        Not with a grammar or logprobs, which the verify path handles, nor with penalties: SGLang's
+        penalizers count one token per speculative step, the verify path counts every output token."""
         graphs = getattr(self.model_runner, "decode_cuda_graph_runner", None)
-        return graphs is None and not batch.has_grammar and not batch.return_logprob
+        verify_only = batch.has_grammar or batch.return_logprob or penalized(batch.reqs)
+        return graphs is None and not verify_only
 
     def _root_only_step(self, batch: Any, on_publish: Any, started: float) -> GenerationBatchResult:
         """A step that verifies the roots alone is a plain decode step: run it as SGLang's own DECODE

@@ -16,6 +16,7 @@ import requests
 
 from sglang_dart.server_process import SglangServer, free_port, run_launcher
 from tests.support.dart_assets import build_random_drafter, build_store_for, build_store_from_ids
+from tests.support.engine_run import run_engine
 from tests.support.prompts_many import many_prompts
 
 pytestmark = pytest.mark.server
@@ -308,6 +309,182 @@ def test_drafts_are_accepted_when_the_store_knows_the_target(tiny_qwen3_dir, own
     _check_observability(speculative, metrics, server.log_text())
 
 
+def _engine_kwargs(model: Path, cli_args: list[str]) -> dict:
+    """sglang.Engine keyword arguments for a model and `--flag value` pairs."""
+    flags = dict(zip(cli_args[::2], cli_args[1::2], strict=True))
+    kwargs = {flag[2:].replace("-", "_"): int(v) if v.isdigit() else v for flag, v in flags.items()}
+    base = {"model_path": str(model), "device": "cpu", "max_total_tokens": 32768, "sleep_on_idle": True}
+    return {**base, **kwargs}
+
+
+def test_engine_runs_dart_losslessly(tiny_qwen3_dir, own_store_assets, tmp_path):
+    """`sglang.Engine(speculative_algorithm="DART", ...)`: the offline entry point takes the server's
+    arguments, gives the target's greedy output with drafts accepted, and refuses a bad configuration with
+    an exception raised in the caller's process, naming the problem."""
+    prompts, outputs, dart_args = own_store_assets
+    kwargs = _engine_kwargs(tiny_qwen3_dir, dart_args)
+    results = run_engine(kwargs, prompts[:8], {"max_new_tokens": 48, "temperature": 0.0})
+    assert isinstance(results, list), results
+    for got, want in zip(results, outputs[:8], strict=True):
+        assert got["output_ids"] == want["output_ids"]
+    emitted = sum(len(r["output_ids"]) for r in results)
+    steps = sum(r["meta_info"]["spec_verify_ct"] for r in results)
+    assert emitted / steps > 1.5, f"mean accepted length {emitted / steps:.2f}"
+    missing = str(tmp_path / "missing.store")
+    error = run_engine({**kwargs, "speculative_ngram_external_corpus_path": missing}, prompts[:1], {})
+    assert isinstance(error, str) and "does not exist" in error, error
+
+
+def _frontend_program():
+    import sglang as sgl
+
+    @sgl.function
+    def program(s, prompt):
+        """Every frontend construct that reaches the server: free generation, a choice scored by prefill
+        logprobs, forks sharing the prefix (radix cache), a regex and stop strings."""
+        s += prompt
+        s += sgl.gen("answer", max_tokens=32, temperature=0)
+        s += "\nVerdict: " + sgl.select("verdict", choices=["yes", "no", "maybe"])
+        forks = s.fork(2)
+        for i, branch in enumerate(forks):
+            branch += f" ({i}) " + sgl.gen("branch", max_tokens=16, temperature=0)
+        s += forks[0]["branch"] + forks[1]["branch"]
+        s += "\nCount: " + sgl.gen("count", max_tokens=8, regex=r"[0-9]{1,4}", temperature=0)
+        s += sgl.gen("tail", max_tokens=32, stop=["\n", "def"], temperature=0)
+
+    return program
+
+
+def test_frontend_programs_run_on_dart(tiny_qwen3_dir, own_store_assets, qwen3_plain, server_logs):
+    """SGLang frontend programs against a DART server: every variable and the whole text equal the same
+    program's against the plain server, run four at a time, with drafts accepted on the way."""
+    import sglang as sgl
+
+    prompts, _, dart_args = own_store_assets
+    program = _frontend_program()
+    jobs = [{"prompt": p} for p in prompts[:8]]
+    plain = program.run_batch(jobs, backend=sgl.RuntimeEndpoint(qwen3_plain.url), num_threads=4)
+    server = SglangServer(tiny_qwen3_dir, dart_args, server_logs / "qwen3-dart-frontend.log").start()
+    try:
+        spec = program.run_batch(jobs, backend=sgl.RuntimeEndpoint(server.url), num_threads=4)
+        assert server.healthy()
+    finally:
+        server.stop()
+    for got, want in zip(spec, plain, strict=True):
+        assert got.error() is None and want.error() is None, (got.error(), want.error())
+        for name in ("answer", "verdict", "count", "tail"):
+            assert got[name] == want[name], name
+        assert got.text() == want.text()
+    answers = [state.get_meta_info("answer") for state in spec]
+    emitted = sum(meta["completion_tokens"] for meta in answers)
+    steps = sum(meta["spec_verify_ct"] for meta in answers)
+    assert emitted / steps > 1.5, f"mean accepted length {emitted / steps:.2f}"
+
+
+def _processor_requests(prompts: list[str], unconstrained: list[dict]) -> list[dict]:
+    """Requests with SGLang's own custom logit processors, mixed in one batch: a history-reading one (no
+    token of the last 6 repeated), a stateless one (the first unconstrained token of each of its prompts
+    banned: one list for all, as that processor requires), and none."""
+    from sglang.srt.sampling.custom_logit_processor import (
+        DeepseekOCRNoRepeatNGramLogitProcessor,
+        DisallowedTokensLogitsProcessor,
+    )
+
+    no_repeat = DeepseekOCRNoRepeatNGramLogitProcessor.to_str()
+    disallow = DisallowedTokensLogitsProcessor.to_str()
+    banned = sorted({free["output_ids"][0] for free in unconstrained[1::3]})
+    requests_ = []
+    for i, prompt in enumerate(prompts):
+        params = {"max_new_tokens": 48, "temperature": 0.0}
+        body = {"text": prompt, "sampling_params": params}
+        if i % 3 == 0:
+            params["custom_params"] = {"ngram_size": 1, "window_size": 6}
+            body["custom_logit_processor"] = no_repeat
+        elif i % 3 == 1:
+            params["custom_params"] = {"token_ids": banned}
+            body["custom_logit_processor"] = disallow
+        requests_.append(body)
+    return requests_
+
+
+@pytest.fixture(scope="module")
+def feature_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
+    """A plain and a DART server (trees that predict the target) that take custom logit processors. The
+    plain one runs without overlap scheduling: with it, SGLang's penalizers count a request's tokens one
+    step late (they read its output while the step producing the newest token is still in flight), so
+    penalties would lag by one token behind plain decoding's own definition, which DART follows."""
+    flag = ["--enable-custom-logit-processor"]
+    plain = ["--dtype", "float32", "--disable-overlap-schedule"]
+    servers = {}
+    try:
+        for name, args in (("plain", plain), ("dart", own_store_assets[2])):
+            log = server_logs / f"qwen3-{name}-features.log"
+            servers[name] = SglangServer(tiny_qwen3_dir, [*args, *flag], log).start()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _both(servers: dict[str, SglangServer], bodies: list[dict]) -> dict[str, list[dict]]:
+    """Every request sent to both servers, all at once; then both must still be healthy."""
+    outputs = {}
+    for name, server in servers.items():
+        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+            outputs[name] = list(pool.map(server.generate, bodies))
+        assert server.healthy()
+    for i, (spec, plain) in enumerate(zip(outputs["dart"], outputs["plain"], strict=True)):
+        assert spec["output_ids"] == plain["output_ids"], (i, bodies[i]["sampling_params"])
+        assert spec["meta_info"]["spec_verify_ct"] > 0
+    return outputs
+
+
+def test_custom_logit_processors_run_on_every_tree_node(feature_servers, own_store_assets):
+    """`--enable-custom-logit-processor`: a processor changes what greedy decoding picks, at every tree
+    node, so DART's output must still equal the plain server's with the same processor, including one
+    that reads the request's history (which at a node must include the drafts on the path to it)."""
+    prompts, unconstrained, _ = own_store_assets
+    bodies = _processor_requests(prompts[:12], unconstrained[:12])
+    outputs = _both(feature_servers, bodies)
+    for i, (out, free) in enumerate(zip(outputs["dart"], unconstrained, strict=False)):
+        ids = out["output_ids"]
+        if i % 3 == 0:  # the processor's own guarantee: no token repeats one of the 6 before it
+            assert all(ids[j] not in ids[max(0, j - 6) : j] for j in range(len(ids))), i
+        else:  # banned first tokens change the output; no processor leaves it as it was
+            assert (ids != free["output_ids"]) == (i % 3 == 1), i
+    assert any(outputs["dart"][i]["output_ids"] != unconstrained[i]["output_ids"] for i in range(0, 12, 3))
+    sampled = {**bodies[1], "sampling_params": {**bodies[1]["sampling_params"], "temperature": 1.0}}
+    banned = set(sampled["sampling_params"]["custom_params"]["token_ids"])
+    for seed in range(4):
+        sampled["sampling_params"]["sampling_seed"] = seed
+        assert not banned & set(feature_servers["dart"].generate(sampled)["output_ids"])
+
+
+def test_penalties_apply_per_tree_node(feature_servers, own_store_assets):
+    """Frequency, presence and repetition penalties and min_new_tokens: at a tree node they must count
+    the drafts on the path to it, as plain decoding counts every token it has output (SGLang's own
+    speculative verify relaxes this), so greedy output equals the plain server's."""
+    prompts, unconstrained, _ = own_store_assets
+    penalties = [
+        {"frequency_penalty": 0.8},
+        {"presence_penalty": 1.2},
+        {"repetition_penalty": 1.5},
+        {"frequency_penalty": 0.4, "repetition_penalty": 1.2},
+        {},
+    ]
+    bodies = []
+    for i, prompt in enumerate(prompts[:15]):
+        params = {"max_new_tokens": 48, "temperature": 0.0, **penalties[i % len(penalties)]}
+        bodies.append({"text": prompt, "sampling_params": params})
+    for body, free in zip(bodies[10:12], unconstrained[10:12], strict=True):
+        # a stop token the unconstrained answer produces early, held back until 12 tokens are out
+        body["sampling_params"].update(min_new_tokens=12, stop_token_ids=[free["output_ids"][3]])
+    outputs = _both(feature_servers, bodies)
+    penalized_ = [i for i, body in enumerate(bodies) if len(body["sampling_params"]) > 2]
+    changed = [outputs["plain"][i]["output_ids"] != unconstrained[i]["output_ids"] for i in penalized_]
+    assert sum(changed) >= len(penalized_) // 2, changed  # the penalties are strong enough to matter
+
+
 _DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+)")
 
 
@@ -484,6 +661,8 @@ def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_
     foreign_store = build_store_for(smollm2_f32_dir, tmp_path / "smol.store", texts=["def f(x): return x"])
     assert "vocabulary" in _launch_dart(tiny_qwen3_dir, draft, foreign_store)
     assert "--tp-size" in _launch_dart(tiny_qwen3_dir, draft, store, ["--tp-size", "2"])
+    hidden = ["--return-hidden-states-mode", "last"]  # the newer spelling of --enable-return-hidden-states
+    assert "--enable-return-hidden-states" in _launch_dart(tiny_qwen3_dir, draft, store, hidden)
 
 
 def test_chunked_prefill_and_stop_strings(tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs):
