@@ -86,28 +86,35 @@ def test_qwen3_greedy_equals_plain(qwen3_plain, qwen3_dart, concurrency):
     assert qwen3_dart.healthy()
 
 
-def _first_tokens(server: SglangServer, prompt: str, samples: int, length: int) -> list[list[int]]:
-    # The random tiny model is nearly uniform at temperature 1; at 0.1 its next-token distributions have
-    # a dominant token and a tail (measured: about 70% / 30% over 15-30 tokens), which a greedy-only
-    # verifier would visibly break.
+# The random tiny model is nearly uniform at temperature 1; at 0.1 its next-token distributions have a
+# dominant token and a tail (measured: about 70% / 30% over 15-30 tokens), which a greedy-only verifier
+# would visibly break.
+LOW_TEMPERATURE = {"temperature": 0.1}
+
+
+def _first_tokens(
+    server: SglangServer, prompt: str, samples: int, length: int, params: dict
+) -> list[list[int]]:
     out = server.generate(
         {
             "text": [prompt] * samples,
-            "sampling_params": {"max_new_tokens": length, "temperature": 0.1, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": length, "ignore_eos": True, **params},
         },
         timeout=900,
     )
     return [o["output_ids"] for o in out]
 
 
-def _assert_same_first_tokens(plain: SglangServer, spec: SglangServer) -> None:
+def _assert_same_first_tokens(
+    plain: SglangServer, spec: SglangServer, params: dict = LOW_TEMPERATURE
+) -> None:
     """Two-sample chi-square homogeneity test on each of the first 3 sampled tokens. Each test at
     alpha = 1e-3; family-wise false-alarm rate <= 0.3%."""
     from scipy.stats import chi2_contingency
 
     samples, length, prompt = 600, 3, "def parse(line):"
-    plain_out = _first_tokens(plain, prompt, samples, length)
-    spec_out = _first_tokens(spec, prompt, samples, length)
+    plain_out = _first_tokens(plain, prompt, samples, length, params)
+    spec_out = _first_tokens(spec, prompt, samples, length, params)
     for pos in range(length):
         a = [o[pos] for o in plain_out]
         b = [o[pos] for o in spec_out]
@@ -413,7 +420,7 @@ def feature_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[d
     plain one runs without overlap scheduling: with it, SGLang's penalizers count a request's tokens one
     step late (they read its output while the step producing the newest token is still in flight), so
     penalties would lag by one token behind plain decoding's own definition, which DART follows."""
-    flag = ["--enable-custom-logit-processor"]
+    flag = ["--enable-custom-logit-processor", *SEED]
     plain = ["--dtype", "float32", "--disable-overlap-schedule"]
     servers = {}
     try:
@@ -458,6 +465,19 @@ def test_custom_logit_processors_run_on_every_tree_node(feature_servers, own_sto
     for seed in range(4):
         sampled["sampling_params"]["sampling_seed"] = seed
         assert not banned & set(feature_servers["dart"].generate(sampled)["output_ids"])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.3, "top_k": 3, "top_p": 0.9},
+        {"temperature": 0.5, "top_k": 4, "top_p": 0.8, "min_p": 0.05},
+    ],
+)
+def test_truncated_sampling_keeps_the_target_distribution(feature_servers, params):
+    """top-k, top-p and min-p sampling on a server whose trees predict the target, so that the 2nd and 3rd
+    tokens often come from deeper tree nodes: each must be distributed as plain sampling's."""
+    _assert_same_first_tokens(feature_servers["plain"], feature_servers["dart"], params)
 
 
 def test_penalties_apply_per_tree_node(feature_servers, own_store_assets):
