@@ -89,7 +89,7 @@ def apply_node_penalties(logits: torch.Tensor, reqs: list[Any], paths: list[list
         # A node's token has index len(output) + len(path): stop tokens stay banned below min_new_tokens.
         held_back = torch.tensor([len(output) + len(p) < params.min_new_tokens for p in paths[b]])
         is_stop = torch.zeros(vocab, dtype=torch.bool)
-        is_stop[_stop_tokens(req)] = True
+        is_stop[[t for t in _stop_tokens(req) if 0 <= t < vocab]] = True
         banned = (held_back.unsqueeze(1) & is_stop.unsqueeze(0)).to(device) if bool(held_back.any()) else None
 
         # Only the path tokens' counts differ between nodes: keep their raw logits, penalize every row by
