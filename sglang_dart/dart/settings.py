@@ -5,8 +5,9 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
 - 3-gram store: `--speculative-ngram-external-corpus-path` (built by `python -m sglang_dart.ngram build`);
 - tree size N, root included: `--speculative-num-draft-tokens` (default 16), the largest tree a step
   verifies; the tree shrinks as the batch grows (`tree_sizes.py`) by `SGLANG_DART_TREE_SIZES`, else the
-  drafter config's `dart_tree_sizes`, else a default for the device (and on a CPU, for AMX with a bf16
-  target) (`fixed`: always N; `auto`: chosen from measured step times, `adaptive_sizes.py`);
+  drafter config's `dart_tree_sizes`, else a default for the device (and on a CPU, for AMX or
+  AVX512-BF16 with a bf16 target) (`fixed`: always N; `auto`: chosen from measured step times,
+  `adaptive_sizes.py`);
 - candidates per depth k: `--speculative-eagle-topk` (default 8). SGLang reserves KV per request and step
   for `num_steps × topk` tokens, while a DART step writes exactly N, so at start-up k moves to the
   environment variable `SGLANG_DART_TOPK` (inherited by the scheduler processes) and the flag becomes 1;
@@ -63,15 +64,24 @@ def _draft_config_json(server_args: Any) -> dict[str, Any]:
     return json.loads((Path(server_args.speculative_draft_model_path) / "config.json").read_text())
 
 
-def cpu_has_amx_bf16() -> bool:
-    """Whether the CPU has AMX tiles (Xeon Sapphire Rapids on; all of them do bf16), by torch's own check,
-    the one SGLang's `cpu_has_amx_support` calls."""
+def _torch_cpu_check(name: str) -> bool:
     import torch
 
     try:
-        return bool(torch.cpu._is_amx_tile_supported())
+        return bool(getattr(torch.cpu, name)())
     except AttributeError:  # a private torch function: another torch version may lack it
         return False
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles (Xeon Sapphire Rapids on; all of them do bf16), by torch's own check,
+    the one SGLang's `cpu_has_amx_support` calls."""
+    return _torch_cpu_check("_is_amx_tile_supported")
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether the CPU has AVX512-BF16 dot products (e.g. AMD Zen 4), by torch's own check."""
+    return _torch_cpu_check("_is_avx512_bf16_supported")
 
 
 def tree_size_schedule(server_args: Any, target_dtype: Any = None) -> TreeSizeSchedule | AdaptiveTreeSizes:
@@ -81,7 +91,7 @@ def tree_size_schedule(server_args: Any, target_dtype: Any = None) -> TreeSizeSc
     text = os.environ.get(TREE_SIZES_ENV, _draft_config_json(server_args).get(TREE_SIZES_KEY))
     if text is None:
         dtype = str(target_dtype if target_dtype is not None else getattr(server_args, "dtype", "auto"))
-        key = default_schedule_key(server_args.device, dtype, cpu_has_amx_bf16())
+        key = default_schedule_key(server_args.device, dtype, cpu_has_amx_bf16(), cpu_has_avx512_bf16())
         return default_schedule(key, largest)
     if str(text).strip().lower() == AUTO:
         return AdaptiveTreeSizes(largest)

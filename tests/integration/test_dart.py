@@ -567,8 +567,8 @@ def test_default_tree_sizes_follow_the_loaded_dtype(
 ):
     """With no schedule set, the worker picks the CPU default from the dtype the target was loaded in, not
     from --dtype: a model whose config says bf16, served with --dtype auto, gets `cpu-amx`'s schedule on a
-    CPU with AMX tiles (the plain CPU one elsewhere)."""
-    from sglang_dart.dart.settings import cpu_has_amx_bf16
+    CPU with AMX tiles, `cpu-avx512-bf16`'s on one with AVX512-BF16 only (the plain CPU one elsewhere)."""
+    from sglang_dart.dart.settings import cpu_has_amx_bf16, cpu_has_avx512_bf16
     from sglang_dart.dart.tree_sizes import default_schedule, default_schedule_key
 
     monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
@@ -580,7 +580,8 @@ def test_default_tree_sizes_follow_the_loaded_dtype(
     config.pop("dtype", None)
     (model / "config.json").write_text(json.dumps(config))
     draft, store = qwen3_assets
-    expected = default_schedule(default_schedule_key("cpu", "torch.bfloat16", cpu_has_amx_bf16()), 8)
+    key = default_schedule_key("cpu", "torch.bfloat16", cpu_has_amx_bf16(), cpu_has_avx512_bf16())
+    expected = default_schedule(key, 8)
     args = [*_dart_args(draft, store), "--dtype", "auto"]  # the later --dtype wins
     server = SglangServer(model, args, server_logs / "qwen3-bf16-default-sizes.log").start()
     try:

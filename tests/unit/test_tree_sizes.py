@@ -12,6 +12,7 @@ from sglang_dart.dart import settings
 from sglang_dart.dart.settings import DartArgsError, tree_size_schedule
 from sglang_dart.dart.tree_sizes import (
     CPU_AMX,
+    CPU_AVX512_BF16,
     TreeSizeSchedule,
     TreeSizesError,
     default_schedule,
@@ -82,9 +83,17 @@ def test_bf16_targets_on_amx_cpus_get_their_own_default():
     for dtype, amx in (("torch.float32", True), ("torch.bfloat16", False), ("auto", True)):
         assert default_schedule_key("cpu", dtype, cpu_has_amx_bf16=amx) == "cpu"
     assert default_schedule_key("cuda", "torch.bfloat16", cpu_has_amx_bf16=True) == "cuda"
-    amx = default_schedule(CPU_AMX, max_size=16)
-    sizes = [amx.size_for(bs) for bs in range(1, 129)]
-    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1 and sizes[-1] == 1
+    for key in (CPU_AMX, CPU_AVX512_BF16):
+        schedule = default_schedule(key, max_size=16)
+        sizes = [schedule.size_for(bs) for bs in range(1, 129)]
+        assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1 and sizes[-1] == 1
+
+
+def test_bf16_targets_on_avx512_bf16_cpus_without_amx_get_their_own_default():
+    assert default_schedule_key("cpu", "torch.bfloat16", False, cpu_has_avx512_bf16=True) == CPU_AVX512_BF16
+    assert default_schedule_key("cpu", "torch.bfloat16", True, cpu_has_avx512_bf16=True) == CPU_AMX
+    assert default_schedule_key("cpu", "torch.float32", False, cpu_has_avx512_bf16=True) == "cpu"
+    assert default_schedule_key("cuda", "torch.bfloat16", False, cpu_has_avx512_bf16=True) == "cuda"
 
 
 def test_the_loaded_targets_dtype_picks_the_default(tmp_path, monkeypatch):
@@ -94,4 +103,7 @@ def test_the_loaded_targets_dtype_picks_the_default(tmp_path, monkeypatch):
     assert tree_size_schedule(args, torch.bfloat16) == default_schedule(CPU_AMX, 8)
     assert tree_size_schedule(args, torch.float32) == default_schedule("cpu", 8)
     monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(settings, "cpu_has_avx512_bf16", lambda: True)
+    assert tree_size_schedule(args, torch.bfloat16) == default_schedule(CPU_AVX512_BF16, 8)
+    monkeypatch.setattr(settings, "cpu_has_avx512_bf16", lambda: False)
     assert tree_size_schedule(args, torch.bfloat16) == default_schedule("cpu", 8)
