@@ -1,7 +1,8 @@
 """SGLang plugin entry point (`sglang.srt.plugins` group): run once in every SGLang process.
 
-It registers `--speculative-algorithm DART`, and on a machine with no GPU it installs the CPU attention
-backend that supports speculative verify and routes few-row linear layers through `cpu.skinny_gemm`.
+It registers `--speculative-algorithm DART` and the hook that makes its drafted counts exact
+(`spec_counts`), and on a machine with no GPU it installs the CPU attention backend that supports
+speculative verify and routes few-row linear layers through `cpu.skinny_gemm`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import shutil
 import sys
 import types
+
+from sglang_dart import spec_counts
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ def set_openmp_spinning_once_args_are_known() -> None:
 
 def register() -> None:
     register_dart()
+    spec_counts.install()
     put_ninja_on_path()
     from sglang_dart.cpu import detect
 

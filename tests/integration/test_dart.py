@@ -508,9 +508,11 @@ def test_penalties_apply_per_tree_node(feature_servers, own_store_assets):
 _DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+)")
 
 
-def _staggered_lossless_run(server: SglangServer, prompts: list[str], outputs: list[dict]) -> str:
+def _staggered_lossless_run(
+    server: SglangServer, prompts: list[str], outputs: list[dict]
+) -> tuple[list[dict], str]:
     """12 concurrent greedy requests of 4, 8, ... 48 tokens, so the running batch shrinks from 12 to 1;
-    each output must be a prefix of the target's own. Stops the server; returns its log."""
+    each output must be a prefix of the target's own. Stops the server; returns the outputs and its log."""
     lengths = [4 + 4 * i for i in range(12)]  # up to the 48 tokens of the reference outputs
     try:
         with ThreadPoolExecutor(max_workers=12) as pool:
@@ -529,7 +531,7 @@ def _staggered_lossless_run(server: SglangServer, prompts: list[str], outputs: l
         server.stop()
     for out, ref, n in zip(results, outputs[:12], lengths, strict=True):
         assert out["output_ids"] == ref["output_ids"][:n]
-    return log
+    return results, log
 
 
 def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch):
@@ -540,12 +542,15 @@ def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, serv
     prompts, outputs, dart_args = own_store_assets
     args = [*dart_args, "--decode-log-interval", "1"]
     server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes.log").start()
-    log = _staggered_lossless_run(server, prompts, outputs)
+    results, log = _staggered_lossless_run(server, prompts, outputs)
     steps = [(int(bs), float(tau)) for bs, tau in _DECODE_LINE.findall(log)]
     big = [tau for bs, tau in steps if bs >= 6]  # margin: the logged count may trail the batch that ran
     small = [tau for bs, tau in steps if bs <= 2]
     assert big and all(tau == 1.0 for tau in big), steps
     assert small and max(small) > 1.0, steps
+    _check_drafted_counts(results, {1, 8})
+    longest = results[-1]["meta_info"]["spec_cap_lens_histogram"]
+    assert longest[1] > 0 and longest[8] > 0, longest  # both kinds of step, so SGLang's N - 1 would be off
 
 
 def test_adaptive_tree_size_stays_lossless(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch):
@@ -556,7 +561,8 @@ def test_adaptive_tree_size_stays_lossless(tiny_qwen3_dir, own_store_assets, ser
     prompts, outputs, dart_args = own_store_assets
     args = [*dart_args, "--decode-log-interval", "1"]
     server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes-auto.log").start()
-    log = _staggered_lossless_run(server, prompts, outputs)
+    results, log = _staggered_lossless_run(server, prompts, outputs)
+    _check_drafted_counts(results, {1, 2, 4, 8})
     assert "DART tree size by batch size: auto" in log
     taus = [float(tau) for _, tau in _DECODE_LINE.findall(log)]
     assert any(tau == 1.0 for tau in taus) and any(tau > 1.0 for tau in taus), taus
@@ -620,6 +626,8 @@ def test_root_only_steps_are_plain_decoding(
             assert spec["output_ids"] == ref, prompt
             assert spec["meta_info"]["spec_verify_ct"] > 0
             assert spec["meta_info"]["spec_num_correct_drafts"] == 0  # roots only, nothing drafted
+            assert spec["meta_info"]["spec_num_proposed_drafts"] == 0
+            assert spec["meta_info"]["spec_cap_length"] == 1.0
         _assert_same_first_tokens(qwen3_plain, server)
 
         greedy = {"max_new_tokens": 16, "temperature": 0.0}
@@ -649,10 +657,26 @@ def _check_observability(outputs: list[dict], metrics: str, log: str) -> None:
         # prefill emits one token, every verify step its accepted drafts plus one of the target's own (the
         # last step may accept more than max_new_tokens lets out)
         assert meta["spec_num_correct_drafts"] >= emitted - 1 - steps > 0
-        assert meta["spec_num_proposed_drafts"] == steps * 7  # N - 1 tree nodes per step
-    gauge = [line for line in metrics.splitlines() if line.startswith("sglang:spec_accept_length")]
-    assert gauge and float(gauge[0].rsplit(" ", 1)[1]) > 1.0, gauge
-    assert "accept len:" in log
+    _check_drafted_counts(outputs, {8})
+    for name in ("sglang:spec_accept_length", "sglang:spec_cap_length"):
+        gauge = [line for line in metrics.splitlines() if line.startswith(name)]
+        assert gauge and float(gauge[0].rsplit(" ", 1)[1]) > 1.0, gauge
+    assert "accept len:" in log and "cap len:" in log
+
+
+def _check_drafted_counts(outputs: list[dict], tree_sizes: set[int]) -> None:
+    """Each request's drafted count is what its steps verified less one root per step (SGLang's own count
+    assumes N - 1 drafts at every step), its accept rate the accepted share of those drafts."""
+    for out in outputs:
+        meta = out["meta_info"]
+        steps = meta["spec_verify_ct"]
+        sizes = meta["spec_cap_lens_histogram"]  # steps by tokens verified per step
+        assert sum(sizes) == steps and {n for n, count in enumerate(sizes) if count} <= tree_sizes, sizes
+        verified = sum(n * count for n, count in enumerate(sizes))
+        assert meta["spec_cap_length"] == pytest.approx(verified / steps)
+        proposed = verified - steps
+        assert meta["spec_num_proposed_drafts"] == proposed
+        assert meta["spec_accept_rate"] == pytest.approx(meta["spec_num_correct_drafts"] / max(proposed, 1))
 
 
 def _launch_dart(model: Path, draft: Path | None, store: Path | None, extra: list[str] = ()) -> str:

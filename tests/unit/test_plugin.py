@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from types import SimpleNamespace
 
 from sglang_dart.plugin import put_ninja_on_path
 
@@ -18,3 +19,51 @@ def test_ninja_is_found_without_an_activated_virtualenv(monkeypatch):
     assert found is not None and os.access(found, os.X_OK)
     put_ninja_on_path()  # idempotent: already found, PATH unchanged
     assert os.environ["PATH"].count(os.path.dirname(found)) == 1
+
+
+def _spec_meta_info(algorithm: str, verify_ct: int, cap_tokens: int, correct: int) -> dict:
+    """The meta_info SGLang's tokenizer manager writes for one request, then passed through the hook
+    the plugin installs on it."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from sglang_dart.spec_counts import correct_proposed_drafts
+
+    manager = SimpleNamespace(
+        server_args=SimpleNamespace(speculative_algorithm=algorithm, speculative_num_draft_tokens=8)
+    )
+    out = SimpleNamespace(
+        spec_verify_ct=[verify_ct],
+        spec_num_correct_drafts=[correct],
+        completion_tokens=[verify_ct + correct],
+        spec_num_cap_tokens=[cap_tokens],
+        spec_num_block_accept_tokens=None,
+        spec_correct_drafts_histogram=None,
+        spec_cap_lens_histogram=None,
+    )
+    meta: dict = {}
+    result = TokenizerManager._calculate_spec_decoding_metrics(manager, meta, out, 0)
+    correct_proposed_drafts(result, manager, meta, out, 0)
+    return meta
+
+
+def test_drafted_counts_are_the_trees_verified():
+    """10 steps verifying 46 tokens in all (say 4 trees of 8 and 6 roots alone) proposed 36 drafts, not
+    SGLang's 10 x (N - 1) = 70; the accept rate is over those 36."""
+    meta = _spec_meta_info("DART", verify_ct=10, cap_tokens=46, correct=18)
+    assert meta["spec_num_proposed_drafts"] == meta["spec_proposed_drafts"] == 36
+    assert meta["spec_accept_rate"] == 0.5
+    assert meta["spec_accept_length"] == 2.8 and meta["spec_cap_length"] == 4.6
+    roots_only = _spec_meta_info("DART", verify_ct=5, cap_tokens=5, correct=0)
+    assert roots_only["spec_num_proposed_drafts"] == 0 and roots_only["spec_accept_rate"] == 0.0
+    other = _spec_meta_info("NGRAM", verify_ct=10, cap_tokens=46, correct=18)
+    assert other["spec_num_proposed_drafts"] == 70  # other algorithms keep SGLang's count
+
+
+def test_the_drafted_count_hook_targets_sglangs_method():
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from sglang_dart.spec_counts import TARGET
+
+    module, cls, method = TARGET.rsplit(".", 2)
+    assert module == TokenizerManager.__module__ and cls == TokenizerManager.__name__
+    assert callable(getattr(TokenizerManager, method))
