@@ -86,6 +86,19 @@ def test_qwen3_greedy_equals_plain(qwen3_plain, qwen3_dart, concurrency):
     assert qwen3_dart.healthy()
 
 
+def test_parallel_samples_equal_plain(qwen3_plain, qwen3_dart):
+    """`n` > 1 (SGLang forks the request after one shared prefill): greedy copies are all the target's
+    output; sampled copies each run to their length."""
+    prompts = many_prompts(2)
+    greedy = {"text": prompts, "sampling_params": {"n": 4, "max_new_tokens": 24, "temperature": 0.0}}
+    spec, ref = qwen3_dart.generate(greedy), qwen3_plain.generate(greedy)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in ref] and len(spec) == 8
+    sampled_params = {**greedy["sampling_params"], "temperature": 1.0, "ignore_eos": True}
+    sampled = {**greedy, "sampling_params": sampled_params}
+    assert [len(o["output_ids"]) for o in qwen3_dart.generate(sampled)] == [24] * 8
+    assert qwen3_dart.healthy()
+
+
 # The random tiny model is nearly uniform at temperature 1; at 0.1 its next-token distributions have a
 # dominant token and a tail (measured: about 70% / 30% over 15-30 tokens), which a greedy-only verifier
 # would visibly break.
