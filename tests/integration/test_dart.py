@@ -721,6 +721,8 @@ def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_
     assert "--tp-size" in _launch_dart(tiny_qwen3_dir, draft, store, ["--tp-size", "2"])
     hidden = ["--return-hidden-states-mode", "last"]  # the newer spelling of --enable-return-hidden-states
     assert "--enable-return-hidden-states" in _launch_dart(tiny_qwen3_dir, draft, store, hidden)
+    workers = ["--tokenizer-worker-num", "2"]  # would start tokenizer processes that cannot resolve DART
+    assert "does not support --tokenizer-worker-num" in _launch_dart(tiny_qwen3_dir, draft, store, workers)
 
 
 def test_chunked_prefill_and_stop_strings(tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs):
