@@ -17,7 +17,6 @@ import argparse
 import json
 import signal
 import sys
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
@@ -110,17 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     # The server runs in its own session; a plain SIGTERM would end this process and leave it running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        with tempfile.TemporaryDirectory() as tmp, partial.open("w") as f:
+        with partial.open("w") as f:
             answers = generate(
                 args.target,
                 prompts,
                 args.max_new_tokens,
                 args.concurrency,
-                Path(tmp),
+                args.out.parent,  # the server's log stays beside the data: a failed run keeps its cause
                 args.dtype,
                 args.temperature,
             )
-            with closing(answers) as rows:  # on any error the server stops here, before tmp goes
+            with closing(answers) as rows:  # on any error the server stops here
                 for row in rows:
                     f.write(json.dumps(row) + "\n")
                     f.flush()
@@ -128,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
                     tokens += len(row["input_ids"]) - row["prompt_len"]
     except BaseException:
         print(
-            f"stopped after {count} of {len(prompts)} conversations; they are in {partial}", file=sys.stderr
+            f"stopped after {count} of {len(prompts)} conversations; they are in {partial}; "
+            f"the server's log is {args.out.parent / 'generate-server.log'}",
+            file=sys.stderr,
         )
         raise
     partial.replace(args.out)

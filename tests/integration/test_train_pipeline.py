@@ -94,8 +94,8 @@ def _server_pids() -> set[int]:
 
 
 def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp_path):
-    """SIGTERM mid-run: finished conversations stay in OUT.partial, OUT is never written, and the server
-    the command started (in a session of its own) is stopped with it."""
+    """SIGTERM mid-run: finished conversations stay in OUT.partial, OUT is never written, the server
+    the command started (in a session of its own) is stopped with it and its log stays beside OUT."""
     before = _server_pids()
     out = tmp_path / "data.jsonl"
     partial = tmp_path / "data.jsonl.partial"
@@ -119,6 +119,7 @@ def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp
     assert proc.returncode != 0
     assert "conversations; they are in" in stderr, stderr[-2000:]
     assert not out.exists()
+    assert "/generate HTTP" in (tmp_path / "generate-server.log").read_text()  # the log outlives the run
     rows = [json.loads(line) for line in partial.read_text().splitlines()]
     assert 2 <= len(rows) < 200 and all(len(r["input_ids"]) > r["prompt_len"] for r in rows)
     deadline = time.monotonic() + 60
