@@ -83,7 +83,9 @@ class TreeSizeSchedule:
 # CPU with AVX512-BF16 but no AMX (an AMD EPYC, run 23), bf16 target: a 576->1536 linear costs 0.08 ms for 1
 # row and 0.16 ms for 16 in bf16 (0.27 ms in float32), so trees pay there too: with a drafter of 1,370
 # steps, trees of 8 ran 1.64x plain at batch 1 (trees of 16: 1.54x), of 8 1.08x at 4, of 4 1.13x at 8 and
-# 1.03x at 16, where the plain CPU default's root-only steps ran 0.97-1.01x.
+# 1.03x at 16, where the plain CPU default's root-only steps ran 0.97-1.01x. Run 24 (a stronger drafter,
+# answer lengths 32-92): 1.72x / 1.38x / 1.34x / 1.31x at batches 1 / 4 / 8 / 16; trees of 16 at batch 1
+# tied with trees of 8 (1.73x).
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
