@@ -150,7 +150,7 @@ def validate_server_args(server_args: Any) -> None:
         # its target forward returns the drafter's taps, not the hidden states a request asks for
         ("--enable-return-hidden-states", not server_args.enable_return_hidden_states),
         # SGLang starts the extra tokenizer processes without loading plugins: they cannot resolve DART
-        ("--tokenizer-worker-num > 1", (getattr(server_args, "tokenizer_worker_num", 1) or 1) == 1),
+        ("--tokenizer-worker-num > 1", server_args.tokenizer_worker_num <= 1),
     ):
         if not ok:
             raise DartArgsError(f"DART does not support {name} yet")

@@ -442,7 +442,7 @@ class DartWorker(NGRAMWorker):
             self.step_clock.finish(started, bs, size, int(accept_lens.sum()), self._drafting_seconds)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
-            verified = torch.full_like(accept_lens, size)
+            verified = size
             # The batch keeps its spec input across filters and merges with freshly prefilled requests,
             # which reshape it by its own draft_token_num: keep that at the server's N.
             accept_tokens = self._widen(accept_tokens.view(bs, size)).flatten()
@@ -475,12 +475,13 @@ class DartWorker(NGRAMWorker):
         accept_lens: torch.Tensor,
         new_seq_lens: torch.Tensor,
         size: int,
-        verified: torch.Tensor | None,
+        verified: int | None,
     ) -> GenerationBatchResult:
         """What the scheduler's spec-v2 result processing reads: accept_tokens padded to the server's
-        stride N, and this step's tree size as the stride it walks them with. `verified` (tokens verified
-        per request, None after a prefill) goes in SGLang's `cap_lens`, its per-request count for verifies
-        of varying size: it feeds `spec_cap_length` and the exact drafted counts (`spec_counts`)."""
+        stride N, and this step's tree size as the stride it walks them with. `verified` (the tokens each
+        request verified, None after a prefill) goes in SGLang's `cap_lens`, its per-request count for
+        verifies of varying size: it feeds `spec_cap_length` and the exact drafted counts (`spec_counts`)."""
+        cap_lens = None if verified is None else torch.full_like(accept_lens, verified)
         return GenerationBatchResult(
             logits_output=result.logits_output,
             next_token_ids=next_token_ids,
@@ -494,7 +495,7 @@ class DartWorker(NGRAMWorker):
                 accept_lens=accept_lens,
             ),
             speculative_num_draft_tokens=size,
-            cap_lens=verified,
+            cap_lens=cap_lens,
         )
 
     def _plain_decode_fits(self, batch: Any) -> bool:
@@ -549,9 +550,7 @@ class DartWorker(NGRAMWorker):
         self.step_clock.finish(started, bs, 1, bs, self._drafting_seconds)
         self.timer.step_done(bs)
         accept_tokens = self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten()
-        return self._step_result(
-            result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, 1, accept_lens
-        )
+        return self._step_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, 1, 1)
 
     def _widen(self, rows: torch.Tensor) -> torch.Tensor:
         """Accepted tokens [bs, size] padded with zeros to the server's stride [bs, N]."""
