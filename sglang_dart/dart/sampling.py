@@ -6,6 +6,11 @@ equals the sample at its parent emits exactly the tokens plain sampling would dr
 time: each emitted token is a fresh draw from the target at the true prefix. SGLang's CPU verify walks the
 tree greedily (argmax), so the samples are handed to it as one-hot logits.
 
+Under `--enable-deterministic-inference` SGLang draws each token with a seeded Gumbel sampler keyed by
+(request seed, position). Every node is drawn with that same key, its request's seed and the position its
+logits are read at (root position + depth), through the branch SGLang's sampler takes for the batch: so
+the walk emits, token for token, what plain seeded sampling emits.
+
 Custom logit processors (`--enable-custom-logit-processor`), which SGLang's tree verify does not run, run
 here on every node's row, after penalties and bias as in plain sampling, each row with its request's
 parameters. A processor that reads the request's history (`custom_params["__req__"]`, as SGLang's
@@ -20,7 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+from sglang.srt.layers.sampler import (
+    multinomial_with_seed,
+    sampling_from_probs_torch,
+    top_k_top_p_min_p_sampling_from_probs_torch,
+)
 from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
 
 
@@ -80,11 +89,65 @@ def apply_custom_processors(sampling_info: Any, logits: torch.Tensor, paths: lis
             logits[rows] = processor(logits[rows], params)
 
 
+def _without_min_p_tail(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """probs with every token below min_p × its row's top probability zeroed. SGLang's seeded sampler
+    refuses min-p (it filters after sorting, and its seeded draw needs the filter first); zeroing the same
+    tokens beforehand leaves the top-k/top-p cut unchanged: they are the row's smallest entries."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_ps.view(-1, 1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _draw(
+    sampling_info: Any,
+    logits: torch.Tensor,
+    nodes: int,
+    positions: torch.Tensor | None,
+    rl_on_policy: bool,
+) -> torch.Tensor:
+    """One draw per row of logits [bs * nodes, V] with temperature, top-k, top-p and min-p, seeded as plain
+    decoding seeds it when the batch carries seeds (deterministic inference)."""
+    temperatures = _per_node(sampling_info.temperatures, nodes).view(-1, 1)
+    top_ks = _per_node(sampling_info.top_ks, nodes)
+    top_ps = _per_node(sampling_info.top_ps, nodes)
+    min_ps = _per_node(sampling_info.min_ps, nodes)
+    seeds = _per_node(getattr(sampling_info, "sampling_seed", None), nodes)
+    if seeds is None:
+        probs = torch.softmax(logits / temperatures, dim=-1)
+        return top_k_top_p_min_p_sampling_from_probs_torch(
+            probs, top_ks, top_ps, min_ps, sampling_info.need_min_p_sampling, None, None
+        )
+    if positions is None:
+        raise ValueError("seeded sampling needs every node's position")
+    positions = positions.view(-1)
+    # The branch SGLang's sampler takes for the whole batch: its seeded paths draw differently.
+    simple = not (
+        sampling_info.need_top_p_sampling
+        or sampling_info.need_top_k_sampling
+        or sampling_info.need_min_p_sampling
+    )
+    if simple and rl_on_policy:  # `--rl-on-policy-target`: the trainer's bf16 log-softmax
+        logprobs = torch.log_softmax(logits.bfloat16().div(temperatures).bfloat16(), dim=-1)
+        return multinomial_with_seed(logprobs, seeds, positions).view(-1)
+    probs = torch.softmax(logits / temperatures, dim=-1)
+    if simple:
+        return sampling_from_probs_torch(probs, seeds, positions)
+    if sampling_info.need_min_p_sampling:
+        probs = _without_min_p_tail(probs, min_ps)
+    return top_k_top_p_min_p_sampling_from_probs_torch(probs, top_ks, top_ps, min_ps, False, seeds, positions)
+
+
 def sample_tree_nodes(
-    sampling_info: Any, logits: torch.Tensor, nodes: int, paths: list[list[list[int]]] | None = None
+    sampling_info: Any,
+    logits: torch.Tensor,
+    nodes: int,
+    paths: list[list[list[int]]] | None = None,
+    positions: torch.Tensor | None = None,
+    rl_on_policy: bool = False,
 ) -> torch.Tensor:
     """One token per row of logits [bs * nodes, V]: argmax for greedy requests, a draw otherwise.
-    paths (`node_paths`) is needed when the batch has custom logit processors."""
+    paths (`node_paths`) is needed when the batch has custom logit processors; positions [bs * nodes]
+    (the position each row's logits are read at) when it carries sampling seeds; rl_on_policy says the
+    server runs with `--rl-on-policy-target`, which changes how SGLang draws seeded requests."""
     logits = logits.float().clone()
     additive = _per_node(sampling_info.acc_additive_penalties, nodes)
     if additive is not None:
@@ -103,26 +166,22 @@ def sample_tree_nodes(
     # logits so that its (unused) draw cannot fail on an all -inf row.
     logits[~torch.isfinite(logits).any(dim=-1)] = 0.0
     greedy = _per_node(sampling_info.top_ks, nodes).view(-1) <= 1
-    probs = torch.softmax(logits / _per_node(sampling_info.temperatures, nodes).view(-1, 1), dim=-1)
-    drawn = top_k_top_p_min_p_sampling_from_probs_torch(
-        probs,
-        _per_node(sampling_info.top_ks, nodes),
-        _per_node(sampling_info.top_ps, nodes),
-        _per_node(sampling_info.min_ps, nodes),
-        sampling_info.need_min_p_sampling,
-        None,
-        None,
-    ).to(torch.int64)
+    drawn = _draw(sampling_info, logits, nodes, positions, rl_on_policy).to(torch.int64).view(-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
 def pin_logits_to_samples(
-    sampling_info: Any, logits: torch.Tensor, nodes: int, paths: list[list[list[int]]] | None = None
+    sampling_info: Any,
+    logits: torch.Tensor,
+    nodes: int,
+    paths: list[list[list[int]]] | None = None,
+    positions: torch.Tensor | None = None,
+    rl_on_policy: bool = False,
 ) -> None:
     """Replace logits [bs * nodes, V] in place by one-hot rows at each node's sample, so that an argmax
     tree walk accepts exactly the sampled path. A no-op where `needs_pinning` says so."""
     if not needs_pinning(sampling_info):
         return
-    samples = sample_tree_nodes(sampling_info, logits, nodes, paths)
+    samples = sample_tree_nodes(sampling_info, logits, nodes, paths, positions, rl_on_policy)
     logits.fill_(float("-inf"))
     logits.scatter_(1, samples.view(-1, 1), 0.0)

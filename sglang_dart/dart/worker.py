@@ -102,6 +102,7 @@ class DartWorker(NGRAMWorker):
         self.model_runner = target_worker.model_runner
         self.tp_rank = ps.tp_rank
         self.page_size = server_args.page_size
+        self._rl_on_policy = server_args.rl_on_policy_target is not None  # changes seeded draws
         self.device = server_args.device
         self.draft_token_num = server_args.speculative_num_draft_tokens
         self.speculative_num_draft_tokens = self.draft_token_num
@@ -379,7 +380,7 @@ class DartWorker(NGRAMWorker):
             unpinned = logits.clone()
             if paths is not None:
                 apply_custom_processors(sampling_info, unpinned, paths)
-        pin_logits_to_samples(sampling_info, logits, size, paths)
+        pin_logits_to_samples(sampling_info, logits, size, paths, verify_input.positions, self._rl_on_policy)
         scheduler_info, batch.sampling_info = batch.sampling_info, sampling_info
         try:
             predict, accept_lens, accept_index = eagle_sample(verify_input, batch, logits_output, None)
