@@ -70,12 +70,21 @@ class DraftRunner:
 
     @torch.no_grad()
     def step(
-        self, req_pool_indices: torch.Tensor, first: list[int], last: list[int], next_tokens: torch.Tensor
+        self,
+        req_pool_indices: torch.Tensor,
+        first: list[int],
+        last: list[int],
+        next_tokens: torch.Tensor,
+        depths: int | None = None,
     ) -> torch.Tensor:
         """Draft entries first[r]..last[r] of each request r (their tokens must have stored residuals;
         next_tokens holds, grouped per request, the token after each), then the mask slots.
-        Stores the K/V of every entry but the last one, returns logits [bs, d + 1, draft_vocab]."""
+        Stores the K/V of every entry but the last one, returns logits [bs, D, draft_vocab]: D = d + 1,
+        or the first `depths` of those rows (mask slots attend causally, so a later slot never changes an
+        earlier row: the slots beyond them are not computed at all)."""
         drafter, d = self.drafter, self.num_masks
+        if depths is not None:
+            d = max(0, min(d, depths - 1))
         bs = len(first)
         rpi = req_pool_indices.to(torch.int64)
         real_counts = torch.tensor([b - a + 1 for a, b in zip(first, last, strict=True)], dtype=torch.int64)

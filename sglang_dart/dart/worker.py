@@ -187,9 +187,11 @@ class DartWorker(NGRAMWorker):
             roots = [_last_tokens(req, 1)[0] for req in batch.reqs]
             return np.asarray(roots, dtype=np.int64), np.ones(len(roots), dtype=bool)
         cands = [self._candidates[req.rid] for req in batch.reqs]
+        # Requests drafted at different steps may have been drafted to different depths.
+        depths = min(c.tokens.shape[0] for c in cands)
         trees = prune_batch(
-            np.stack([c.tokens for c in cands]),
-            np.stack([c.probs for c in cands]),
+            np.stack([c.tokens[:depths] for c in cands]),
+            np.stack([c.probs[:depths] for c in cands]),
             np.asarray([c.root for c in cands], dtype=np.int64),
             np.asarray([c.context for c in cands], dtype=np.int64),
             self.eos_ids,
@@ -343,8 +345,8 @@ class DartWorker(NGRAMWorker):
             runner.store_residuals(slots, taps[torch.tensor(paths, device=taps.device)])  # one write
             next_tokens = torch.tensor(nexts, dtype=torch.int64)
             drafting_from = time.perf_counter()
-            if draft:
-                logits = runner.step(rpi, firsts, lasts, next_tokens)
+            if draft:  # a tree of N nodes past its root is at most N deep: deeper rows go unused
+                logits = runner.step(rpi, firsts, lasts, next_tokens, self._planned_size - 1)
             else:
                 runner.store_entries(rpi, firsts, lasts, next_tokens)
         if draft:

@@ -81,3 +81,30 @@ def test_steps_that_only_store_entries_keep_later_drafts_exact(tmp_path):
         with torch.no_grad():
             expected = drafter(aux[:committed], tokens[1 : committed + 1], start_pos=0).logits
         torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_shallower_step_gives_the_first_rows_of_the_full_step(tmp_path):
+    """Drafting for a small tree computes fewer mask slots; the rows it returns are the full step's, and
+    the K/V it stores are the same (mask slots are never stored), up to the rounding of a
+    matrix product over fewer rows."""
+    drafter = load_drafter(_write_checkpoint(tmp_path / "draft"), _embedding(), H, V, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    num_slots, max_len, prompt = 100, 20, 6
+    req_to_token = torch.zeros(2, max_len, dtype=torch.int32)
+    req_to_token[0] = (torch.randperm(num_slots - 1, generator=gen)[:max_len] + 1).to(torch.int32)
+    tokens = torch.randint(0, V, (prompt + 1,), generator=gen)
+    aux = torch.randn(prompt, 3 * H, generator=gen)
+    rpi = torch.tensor([0])
+    full_depth = drafter.cfg.draft_length + 1
+    results = {}
+    for depths in (None, 1, 3, full_depth, full_depth + 5):
+        runner = DraftRunner(drafter, req_to_token, num_slots)
+        runner.store_residuals(req_to_token[0, :prompt].long(), aux)
+        results[depths] = (runner.step(rpi, [0], [prompt - 1], tokens[1:], depths), runner.keys.clone())
+    full, full_keys = results[None]
+    assert full.shape[1] == full_depth
+    for depths in (1, 3, full_depth, full_depth + 5):
+        logits, keys = results[depths]
+        assert logits.shape[1] == min(depths, full_depth)
+        torch.testing.assert_close(logits, full[:, : logits.shape[1]], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(keys, full_keys, atol=1e-5, rtol=1e-5)  # GEMM blocking may differ

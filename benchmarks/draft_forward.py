@@ -1,0 +1,101 @@
+"""One batched draft forward (`DraftRunner.step`) as a decode step runs it, by batch size and by the depth
+it drafts to. A step drafts only as deep as the next tree can reach (a tree of N nodes past its root is
+at most N deep), so trees of 4 need 3 of the d + 1 rows; this prints each depth's time and its ratio to
+the full depth, measured interleaved in one process.
+
+    .venv/bin/python benchmarks/draft_forward.py [--batch-sizes 1 4 16] [--depths 3 7 8] [--dtype bfloat16]
+
+Shapes are SmolLM2-135M's with the trained drafter's settings (d = 7, draft vocabulary 8192); the weights
+are random, which does not change the time. Every request has a `--prefix`-token history in the draft's
+K/V and commits `--accepted` tokens per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from sglang_dart.dart.draft_runner import DraftRunner
+from sglang_dart.drafter.config import DraftConfig
+from sglang_dart.drafter.model import DartDrafter
+from sglang_dart.train.checkpoint import draft_config_dict
+
+SMOLLM2_135M = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+}
+
+
+def _drafter(dtype: torch.dtype, draft_length: int, draft_vocab: int) -> DartDrafter:
+    config = draft_config_dict(SMOLLM2_135M, draft_length, draft_vocab)
+    embed = torch.randn(SMOLLM2_135M["vocab_size"], SMOLLM2_135M["hidden_size"], dtype=dtype)
+    drafter = DartDrafter(DraftConfig.from_dict(config), embed).to(dtype).eval()
+    with torch.no_grad():
+        drafter.midlayer.mask_rep.normal_()
+    return drafter
+
+
+def _time_steps(args: argparse.Namespace, drafter: DartDrafter, bs: int, depths: list[int | None]) -> dict:
+    """Median ms of a step per depth, the depths interleaved repeat by repeat."""
+    hidden = SMOLLM2_135M["hidden_size"]
+    max_len = args.prefix + args.accepted + 1
+    req_to_token = (torch.arange(bs * max_len, dtype=torch.int32) + 1).view(bs, max_len)
+    runner = DraftRunner(drafter, req_to_token, bs * max_len + 1)
+    rpi = torch.arange(bs)
+    slots = req_to_token[:, : args.prefix + args.accepted].reshape(-1).long()
+    runner.store_residuals(slots, torch.randn(slots.numel(), 3 * hidden, dtype=drafter.fc.weight.dtype))
+    first = [args.prefix - 1] * bs
+    last = [args.prefix + args.accepted - 1] * bs
+    next_tokens = torch.randint(0, SMOLLM2_135M["vocab_size"], (bs * (args.accepted + 1),))
+    with torch.no_grad():
+        for depth in depths:  # warm-up
+            runner.step(rpi, first, last, next_tokens, depth)
+        times: dict = {depth: [] for depth in depths}
+        for _ in range(args.repeats):
+            for depth in depths:
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    runner.step(rpi, first, last, next_tokens, depth)
+                times[depth].append((time.perf_counter() - start) * 1000 / args.steps)
+    return {depth: statistics.median(ms) for depth, ms in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--depths", type=int, nargs="+", default=[3, 7], help="besides the full d + 1")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--draft-length", type=int, default=7)
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--prefix", type=int, default=200)
+    parser.add_argument("--accepted", type=int, default=2, help="tokens each request commits per step")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    drafter = _drafter(getattr(torch, args.dtype), args.draft_length, args.draft_vocab)
+    full = args.draft_length + 1
+    depths = [None] + sorted({d for d in args.depths if 0 < d < full})
+    print(
+        f"draft step, {args.dtype}, d = {args.draft_length}, prefix {args.prefix}, {args.accepted} committed"
+    )
+    print("| batch | depth | ms per step | / full depth |")
+    print("|---|---|---|---|")
+    for bs in args.batch_sizes:
+        ms = _time_steps(args, drafter, bs, depths)
+        for depth in depths:
+            label = f"{full} (full)" if depth is None else str(depth)
+            print(f"| {bs} | {label} | {ms[depth]:.2f} | {ms[depth] / ms[None]:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
