@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import sglang.srt.layers.sampler as sglang_sampler
 import torch
+from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
 from sglang_dart.dart.sampling import (
     apply_custom_processors,
@@ -97,7 +98,6 @@ def test_greedy_samples_respect_the_processor_at_every_node():
 
 # --- seeded sampling (--enable-deterministic-inference) ------------------------------------------------
 
-TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
 DEPTHS = [0, 1, 1, 2]  # of TREE's nodes
 
 
