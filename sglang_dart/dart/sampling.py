@@ -110,7 +110,7 @@ def _draw(
     top_ks = _per_node(sampling_info.top_ks, nodes)
     top_ps = _per_node(sampling_info.top_ps, nodes)
     min_ps = _per_node(sampling_info.min_ps, nodes)
-    seeds = _per_node(getattr(sampling_info, "sampling_seed", None), nodes)
+    seeds = _per_node(sampling_info.sampling_seed, nodes)
     if seeds is None:
         probs = torch.softmax(logits / temperatures, dim=-1)
         return top_k_top_p_min_p_sampling_from_probs_torch(

@@ -59,6 +59,7 @@ def _batch(reqs: list, chosen: list[bool], greedy: bool = True) -> SimpleNamespa
         min_ps=torch.zeros(bs),
         need_min_p_sampling=False,
         temperatures=torch.ones(bs, 1),
+        sampling_seed=None,  # set under --enable-deterministic-inference only
     )
 
 
