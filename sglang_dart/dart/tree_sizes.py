@@ -85,13 +85,15 @@ class TreeSizeSchedule:
 # steps, trees of 8 ran 1.64x plain at batch 1 (trees of 16: 1.54x), of 8 1.08x at 4, of 4 1.13x at 8 and
 # 1.03x at 16, where the plain CPU default's root-only steps ran 0.97-1.01x. Run 24 (a stronger drafter,
 # answer lengths 32-92): 1.72x / 1.38x / 1.34x / 1.31x at batches 1 / 4 / 8 / 16; trees of 16 at batch 1
-# tied with trees of 8 (1.73x).
+# tied with trees of 8 (1.73x). Runs 25-26 (the draft computes only the rows a tree can reach, answer lengths
+# 32-95): trees of 4 beat root-only steps at 32 in three runs (1.22x / 1.36x / 1.16x plain against 1.10x /
+# 1.16x / 0.98x) and at 64 (1.27x against 0.93x): trees of 4 from batch 8 on, with no root-only tail.
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
 CPU_AMX = "cpu-amx"
 CPU_AVX512_BF16 = "cpu-avx512-bf16"
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:16,4:8,8:4,32:1", CPU_AVX512_BF16: "1:8,4:8,8:4,32:1"}
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:16,4:8,8:4,32:1", CPU_AVX512_BF16: "1:8,8:4"}
 
 
 def default_schedule_key(
