@@ -87,7 +87,7 @@ def test_bf16_targets_on_amx_cpus_get_their_own_default():
         schedule = default_schedule(key, max_size=16)
         sizes = [schedule.size_for(bs) for bs in range(1, 129)]
         assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1
-    # Measured: root-only from 32 with AMX (run 22); without AMX trees of 4 still win at 32 and 64 (runs 25-26).
+    # Measured: root-only from 32 with AMX (run 22); without AMX trees of 4 win at 32 and 64 (runs 25-26).
     assert default_schedule(CPU_AMX, max_size=16).size_for(32) == 1
     assert default_schedule(CPU_AVX512_BF16, max_size=16).size_for(64) == 4
 
