@@ -14,6 +14,7 @@ import sys
 import types
 
 from sglang_dart import spec_counts
+from sglang_dart.dart import gpu_contracts
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def register_dart() -> None:
         validate_server_args=settings.validate_server_args,
         spec_class=DartAlgorithm,
     )(worker_class)
+    gpu_contracts.install()  # what SGLang's own machinery must do for DART (backend, graphs, memory)
 
 
 def _spin_policy_from_server_args(_result, server_args, *_args, **_kwargs) -> None:  # noqa: ANN001

@@ -15,7 +15,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sglang_dart.cpu.tree_attention import AttentionPlan, attend, make_plan
+from sglang_dart.attention.tree_attention import AttentionPlan, attend, make_plan
 
 
 class TreeVerifyCpuAttnBackend(TorchNativeAttnBackend):

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from sglang_dart.cpu.tree_attention import attend, make_plan
+from sglang_dart.attention.tree_attention import attend, make_plan
 from sglang_dart.drafter import DartDrafter
 
 

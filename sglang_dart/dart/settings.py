@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sglang_dart.dart import gpu_contracts
 from sglang_dart.dart.adaptive_sizes import AUTO, AdaptiveTreeSizes
 from sglang_dart.dart.tree_sizes import (
     TreeSizeSchedule,
@@ -141,6 +142,12 @@ def validate_server_args(server_args: Any) -> None:
         raise DartArgsError(f"DART 3-gram store {store_path} is unusable: {exc}") from exc
     if server_args.device not in ("cpu", "cuda"):
         raise DartArgsError(f"DART runs on cpu or cuda, not {server_args.device}")
+    gpu_contracts.refuse_chain_only_backends(server_args)
+    if server_args.speculative_use_rejection_sampling:
+        raise DartArgsError(
+            "DART verifies its trees itself (greedy, or one target draw per node, which keeps the target's "
+            "distribution): drop --speculative-use-rejection-sampling"
+        )
     for name, ok in (
         ("--tp-size > 1", server_args.tp_size == 1),
         ("--pp-size > 1", server_args.pp_size == 1),

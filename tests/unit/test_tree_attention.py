@@ -1,5 +1,5 @@
-"""Batched masked attention over the paged KV pool (sglang_dart/cpu/tree_attention.py), checked request by
-request against an explicit float64 softmax(q·kᵀ·scale + mask)·v."""
+"""Batched masked attention over the paged KV pool (sglang_dart/attention/tree_attention.py), checked
+request by request against an explicit float64 softmax(q·kᵀ·scale + mask)·v."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from sglang_dart.cpu.tree_attention import attend, make_plan
+from sglang_dart.attention.tree_attention import attend, make_plan
 
 ATOL = RTOL = 1e-5
 MAX_REQS = 8

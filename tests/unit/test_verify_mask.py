@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_dart.cpu.tree_attention import make_plan
+from sglang_dart.attention.tree_attention import make_plan
 from sglang_dart.dart.verify_mask import full_verify_mask
 
 

@@ -1,10 +1,16 @@
 """Batched masked attention over SGLang's paged KV pool, in plain torch: extend, decode and speculative
-target-verify with a per-request tree mask, all through one code path.
+target-verify with a per-request tree mask, all through one code path, on any device.
 
 Every request r contributes q_len[r] query tokens that follow prefix_len[r] tokens already in the KV pool.
 Keys are laid out per request as [prefix (padded to P) | new tokens (padded to Q)], and one boolean mask
 [bs, Q, P + Q] says which key each query may see. Decode, extend and verify all run this one computation,
 in the model's dtype (float16 upcast to float32).
+
+Device contract: a plan is laid out on the host from host lengths (the callers have them: SGLang's
+seq_lens_cpu, the draft runner's lists), then lives on the KV pool's device; the pool is only indexed on
+its device. Nothing in `attend` reads a device value back, and no score block exceeds
+`SCORE_BLOCK_BYTES` (queries are taken in blocks), so a long prefill chunk cannot take gigabytes of
+temporary memory whatever kernel SDPA picks.
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+
+# Largest float32 score block [bs, H, q_block, P + Q] one attention call materializes (the math kernel's
+# worst case): 256 MiB.
+SCORE_BLOCK_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -31,17 +41,20 @@ class AttentionPlan:
     # made without the new tokens' slots. Lets a layer whose new K/V are already in the pool read all keys
     # with one gather instead of a gather and a concat.
     key_loc: torch.Tensor | None = None
+    # Non-dense plans: the flat positions in [bs * Q] of the valid query slots, and their rows in q. Index
+    # tensors laid out on the host, so that scattering the output back needs no boolean mask on the device.
+    valid_slots: torch.Tensor | None = None
+    valid_rows: torch.Tensor | None = None
+    num_rows: int = 0
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.query_valid.sum())
-
-    def to(self, device: torch.device) -> AttentionPlan:
-        """The plan is built on the host; move it next to the activations (a no-op on CPU)."""
-        if self.mask.device == device:
+    def to(self, device: torch.device | str) -> AttentionPlan:
+        """Move the plan next to the activations (a no-op where it already is)."""
+        if self.mask.device == torch.device(device):
             return self
         moved = (getattr(self, f.name) for f in fields(self))
-        return AttentionPlan(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in moved))
+        return AttentionPlan(
+            *(x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in moved)
+        )
 
 
 def _padded(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,12 +76,16 @@ def make_plan(
     new_token_loc: the KV pool slot of each new token, in flat row order (SGLang's out_cache_loc), if the
     layers write the new K/V to the pool before attending; then `attend` may be given k_new = v_new = None.
 
+    prefix_lens and query_lens are read on the host (pass host tensors to avoid a device round trip);
+    req_pool_indices and new_token_loc may live on the pool's device, where the plan is returned.
+
     tree_mask: None for causal attention among the new tokens (extend, decode, chain verify). Otherwise a
     flat mask as SGLang's speculative workers build it, for each request in turn a row-major block of
     either [q_len, prefix_len + q_len] booleans (prefix columns first; the GPU layout) or
     [q_len, q_len] (new tokens only, prefix fully visible; what NGRAM builds on CPU). The two layouts
     have different sizes whenever some prefix is non-empty, which tells them apart.
     """
+    device = req_to_token.device
     prefix_lens = prefix_lens.to(torch.int64).cpu()
     query_lens = query_lens.to(torch.int64).cpu()
     bs = prefix_lens.numel()
@@ -77,8 +94,9 @@ def make_plan(
 
     p_cols, p_valid = _padded(prefix_lens, width_p)
     q_cols, q_valid = _padded(query_lens, width_q)
-    rows = req_pool_indices.to(torch.int64).cpu().unsqueeze(1)
-    prefix_loc = torch.where(p_valid, req_to_token[rows, p_cols].to(torch.int64), 0)
+    rows = req_pool_indices.to(device=device, dtype=torch.int64).unsqueeze(1)
+    prefix_loc = req_to_token[rows, p_cols.to(device)].to(torch.int64)
+    prefix_loc = torch.where(p_valid.to(device), prefix_loc, 0)
     query_start = torch.cumsum(query_lens, 0) - query_lens
     query_row = torch.where(q_valid, query_start.unsqueeze(1) + q_cols, 0)
 
@@ -109,11 +127,24 @@ def make_plan(
     dense = bool((query_lens == width_q).all())
     key_loc = None
     if new_token_loc is not None:
-        new_loc = torch.where(q_valid, new_token_loc.to(torch.int64).cpu()[query_row], 0)
-        key_loc = torch.cat([prefix_loc, new_loc], dim=1)
-    return AttentionPlan(
-        prefix_loc, query_row, q_valid, mask, query_pos, key_pos, _sdpa_mask(mask), dense, key_loc
+        new_loc = new_token_loc.to(device=device, dtype=torch.int64)[query_row.to(device)]
+        key_loc = torch.cat([prefix_loc, torch.where(q_valid.to(device), new_loc, 0)], dim=1)
+    valid_slots = q_valid.reshape(-1).nonzero().squeeze(1)
+    host_plan = AttentionPlan(
+        prefix_loc,
+        query_row,
+        q_valid,
+        mask,
+        query_pos,
+        key_pos,
+        _sdpa_mask(mask),
+        dense,
+        key_loc,
+        valid_slots,
+        query_row.reshape(-1)[valid_slots],
+        int(query_lens.sum()),
     )
+    return host_plan.to(device)
 
 
 def _sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -178,17 +209,34 @@ def attend(
     if logit_cap and logit_cap > 0:
         group = qp.shape[1] // kp.shape[1]
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
-        scores = torch.matmul(qp, kp.transpose(-1, -2)) * scaling
-        scores = logit_cap * torch.tanh(scores / logit_cap)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        res = torch.matmul(torch.softmax(scores, dim=-1), vp)
-    else:
-        res = scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=qp.shape[1] != kp.shape[1]
-        )
-    res = res.transpose(1, 2)  # [bs, Q, H, Dv]
+    block = query_block(bs, qp.shape[1], width_q, kp.shape[2])
+    parts = [
+        _attend_block(qp[:, :, i : i + block], kp, vp, mask[:, :, i : i + block], scaling, logit_cap)
+        for i in range(0, width_q, block)
+    ]
+    res = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).transpose(1, 2)  # [bs, Q, H, Dv]
     if dense:
         return res.reshape(out_shape).to(q.dtype)
     out = q.new_zeros(out_shape)
-    out[plan.query_row[plan.query_valid]] = res[plan.query_valid].to(out.dtype)
+    out[plan.valid_rows] = res.reshape(bs * width_q, *res.shape[2:])[plan.valid_slots].to(out.dtype)
     return out
+
+
+def query_block(bs: int, heads: int, width_q: int, width_k: int) -> int:
+    """Queries per block such that a float32 score block [bs, heads, block, width_k] stays within
+    SCORE_BLOCK_BYTES (at least one query)."""
+    per_query = max(1, bs * heads * width_k * 4)
+    return max(1, min(width_q, SCORE_BLOCK_BYTES // per_query))
+
+
+def _attend_block(
+    qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor, scaling: float, logit_cap: float
+) -> torch.Tensor:
+    if logit_cap and logit_cap > 0:
+        scores = torch.matmul(qp, kp.transpose(-1, -2)) * scaling
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), vp)
+    return scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=qp.shape[1] != kp.shape[1]
+    )

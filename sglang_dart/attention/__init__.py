@@ -1,0 +1,2 @@
+"""Masked attention over SGLang's KV pool, shared by the CPU attention backend and the draft runner
+(any device)."""

@@ -1,0 +1,174 @@
+"""CUDA contracts of a DART server, checked on a CPU with SGLang's real classes: the attention backend SGLang
+resolves for DART on a Hopper GPU, the hidden states its CUDA graphs capture, and the bytes per KV slot its
+memory planner counts. No GPU runs here: what SGLang decides from the device is patched (Hopper, 80 GB),
+everything downstream is SGLang's own code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from sglang_dart.dart import gpu_contracts
+from sglang_dart.dart.settings import DartArgsError
+from tests.support.dart_assets import build_random_drafter, build_store_for
+from tests.support.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    root = tmp_path_factory.mktemp("gpu-contracts")
+    model = build_tiny_model(root / "model", arch="llama")
+    return SimpleNamespace(
+        model=model,
+        draft=build_random_drafter(root / "draft", model),
+        store=build_store_for(model, root / "answers.store"),
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hooks_installed() -> None:
+    """What SGLang's `load_plugins()` does with the plugin in every process: register, then patch."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_dart.plugin import register_dart
+
+    register_dart()
+    HookRegistry.apply_hooks()
+
+
+def _cuda_server_args(assets: SimpleNamespace, **extra: object):  # noqa: ANN202
+    """ServerArgs as `launch_server --device cuda --speculative-algorithm DART` resolves them on an H100."""
+    import sglang.srt.server_args as server_args_module
+
+    with (
+        mock.patch.object(server_args_module, "is_hopper_with_cuda_12_3", return_value=True),
+        mock.patch.object(server_args_module, "get_device_memory_capacity", return_value=80 * 1024),
+        mock.patch.object(server_args_module, "is_flashinfer_available", return_value=True),
+    ):
+        return server_args_module.ServerArgs(
+            model_path=str(assets.model),
+            device="cuda",
+            speculative_algorithm="DART",
+            speculative_draft_model_path=str(assets.draft),
+            speculative_ngram_external_corpus_path=str(assets.store),
+            **extra,
+        )
+
+
+def test_a_hopper_gpu_gets_a_backend_that_verifies_trees(assets):
+    """SGLang picks fa3 on Hopper for top-k-1 speculation; fa3's verify ignores the tree mask."""
+    args = _cuda_server_args(assets)
+    assert args.attention_backend in gpu_contracts.TREE_MASK_BACKENDS
+    for backend in (args.decode_attention_backend, args.prefill_attention_backend):
+        assert backend in (None, *gpu_contracts.TREE_MASK_BACKENDS)
+
+
+def test_a_plain_server_on_hopper_keeps_sglangs_choice(assets):
+    import sglang.srt.server_args as server_args_module
+
+    with (
+        mock.patch.object(server_args_module, "is_hopper_with_cuda_12_3", return_value=True),
+        mock.patch.object(server_args_module, "get_device_memory_capacity", return_value=80 * 1024),
+    ):
+        args = server_args_module.ServerArgs(model_path=str(assets.model), device="cuda")
+    assert args.attention_backend == "fa3"
+
+
+@pytest.mark.parametrize("flag", ["attention_backend", "decode_attention_backend"])
+def test_a_backend_that_cannot_verify_trees_is_refused_by_name(assets, flag):
+    with pytest.raises(DartArgsError, match="--" + flag.replace("_", "-") + " fa3"):
+        _cuda_server_args(assets, **{flag: "fa3"})
+
+
+def test_a_tree_backend_given_by_flag_is_kept(assets):
+    assert _cuda_server_args(assets, attention_backend="triton").attention_backend == "triton"
+
+
+def test_rejection_sampling_is_refused_by_name(assets):
+    with pytest.raises(DartArgsError, match="--speculative-use-rejection-sampling"):
+        _cuda_server_args(assets, speculative_use_rejection_sampling=True)
+
+
+def test_the_target_captures_the_taps_before_its_graphs(assets):
+    """The model runner resolves which hidden states to capture before it captures CUDA graphs (and calls
+    set_eagle3_layers_to_capture from it); DART's taps must be on by then."""
+    from sglang.srt.model_executor import model_runner
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    args = _cuda_server_args(assets)
+    algorithm = SpeculativeAlgorithm.from_string("DART")
+    target = model_runner.resolve_spec_aux_hidden_state_config(
+        server_args=args, model_config=None, spec_algorithm=algorithm, is_draft_worker=False
+    )
+    assert target.eagle_use_aux_hidden_state and target.eagle_aux_hidden_state_layer_ids is None
+
+
+def test_a_captured_verify_graph_returns_the_taps(assets):
+    """SGLang captures its decode graphs with the hidden-state mode of the spec info it builds for the
+    algorithm; a replay of a graph captured with less raises (or returns no taps)."""
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        get_required_capture_hidden_mode,
+    )
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    args = _cuda_server_args(assets)
+    runner = SimpleNamespace(
+        model_runner=SimpleNamespace(
+            spec_algorithm=SpeculativeAlgorithm.from_string("DART"), is_draft_worker=False, server_args=args
+        ),
+        buffers=SimpleNamespace(custom_mask=torch.ones(64, dtype=torch.bool)),
+        captured_req_width=args.speculative_num_draft_tokens,
+    )
+    spec_info = DecodeCudaGraphRunner.get_spec_info(runner, num_tokens=4 * args.speculative_num_draft_tokens)
+    assert get_required_capture_hidden_mode(CaptureHiddenMode.NULL, spec_info) == CaptureHiddenMode.FULL
+
+
+def test_every_tree_size_the_cuda_default_picks_has_a_graph(assets):
+    """Decode graphs are captured for verify batches of exactly N tokens per request; the CUDA default
+    schedule verifies N at every batch size (other schedules run other sizes eagerly, as documented)."""
+    import torch
+
+    from sglang_dart.dart.settings import tree_size_schedule
+
+    args = _cuda_server_args(assets)
+    schedule = tree_size_schedule(args, torch.bfloat16)
+    captured = set(args.cuda_graph_config.decode.bs)
+    assert {schedule.size_for(bs) for bs in captured} == {args.speculative_num_draft_tokens}
+
+
+def test_the_drafter_state_is_counted_in_the_kv_pool_budget(assets):
+    """SGLang sizes the KV pool from bytes per token (DefaultPoolConfigurator._cell_size); the drafter's
+    per-slot residual and K/V must be part of it. The target's own bytes per token are pinned to 1000
+    (their computation needs SGLang's parallel state); the rest of the constructor is SGLang's."""
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    args = _cuda_server_args(assets)
+    model_config = ModelConfig.from_server_args(args)
+    layers = model_config.num_hidden_layers
+    kvc = SimpleNamespace(
+        model_config=model_config,
+        layer_info=SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers),
+        spec_algorithm=SpeculativeAlgorithm.from_string("DART"),
+        is_draft_worker=False,
+        server_args=args,
+        model_dtype=torch.bfloat16,
+        kv_cache_dtype_str=None,
+        ps=SimpleNamespace(pp_size=1),
+    )
+    with mock.patch.object(DefaultPoolConfigurator, "_compute_cell_size", return_value=1000):
+        target = DefaultPoolConfigurator(kvc)
+        draft_worker = DefaultPoolConfigurator(SimpleNamespace(**{**vars(kvc), "is_draft_worker": True}))
+    config = json.loads((Path(assets.draft) / "config.json").read_text())
+    per_slot = (config["hidden_size"] + 2 * config["num_key_value_heads"] * config["head_dim"]) * 2
+    assert target._cell_size == 1000 + per_slot
+    assert draft_worker._cell_size == 1000
