@@ -49,12 +49,12 @@ def _time_steps(args: argparse.Namespace, drafter: DartDrafter, bs: int, depths:
     max_len = args.prefix + args.accepted + 1
     req_to_token = (torch.arange(bs * max_len, dtype=torch.int32) + 1).view(bs, max_len)
     runner = DraftRunner(drafter, req_to_token, bs * max_len + 1)
-    rpi = torch.arange(bs)
+    rpi = list(range(bs))
     slots = req_to_token[:, : args.prefix + args.accepted].reshape(-1).long()
     runner.store_residuals(slots, torch.randn(slots.numel(), 3 * hidden, dtype=drafter.fc.weight.dtype))
     first = [args.prefix - 1] * bs
     last = [args.prefix + args.accepted - 1] * bs
-    next_tokens = torch.randint(0, SMOLLM2_135M["vocab_size"], (bs * (args.accepted + 1),))
+    next_tokens = torch.randint(0, SMOLLM2_135M["vocab_size"], (bs * (args.accepted + 1),)).tolist()
     with torch.no_grad():
         for depth in depths:  # warm-up
             runner.step(rpi, first, last, next_tokens, depth)

@@ -35,27 +35,30 @@ from sglang_dart import _core
 
 DictNgramModel = _core.DictNgramModel
 
+# The defaults live in Rust (`PruneConfig::default()`, the DART reference's values); read, not restated.
+_DEFAULTS = _core.default_prune_config()
+
 
 @dataclass(frozen=True)
 class PrunerConfig:
-    """Knobs of the tree search; defaults are the DART reference's."""
+    """Knobs of the tree search; defaults are the DART reference's, from the Rust core."""
 
     #: Candidates per depth: the first ``topk`` columns of the inputs; ``None`` = all ``k`` (reference: 25).
-    topk: int | None = None
+    topk: int | None = _DEFAULTS["topk"]
     #: Beam survivors per depth (W).
-    beam_width: int = 20
+    beam_width: int = _DEFAULTS["beam_width"]
     #: Node budget M (nodes besides the root); every tree has ``N = num_nodes + 1`` nodes.
-    num_nodes: int = 60
+    num_nodes: int = _DEFAULTS["num_nodes"]
     #: β, weight of the n-gram log-probability.
-    ngram_weight: float = 0.5
+    ngram_weight: float = _DEFAULTS["ngram_weight"]
     #: λ_l = (l + 1) ** -level_weight_exponent (unless ``level_weights`` is given).
-    level_weight_exponent: float = 0.7
+    level_weight_exponent: float = _DEFAULTS["level_weight_exponent"]
     #: α_l = logit_weight_base ** l (unless ``logit_weights`` is given).
-    logit_weight_base: float = 0.9
+    logit_weight_base: float = _DEFAULTS["logit_weight_base"]
     #: Floor added to p and q (in float32) before the logarithm; must be > 0.
-    eps: float = 1e-10
+    eps: float = _DEFAULTS["eps"]
     #: Use the n-gram term for the root's children too (the reference does not).
-    ngram_at_level0: bool = False
+    ngram_at_level0: bool = _DEFAULTS["ngram_at_level0"]
     #: Explicit λ_l per level (length ≥ D).
     level_weights: tuple[float, ...] | None = None
     #: Explicit α_l per level (length ≥ D).

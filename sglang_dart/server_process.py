@@ -21,6 +21,25 @@ import requests
 CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "32768", "--sleep-on-idle"]
 
 
+def default_device_args() -> list[str]:
+    """CPU_ARGS where SGLang runs its CPU engine (no accelerator, or SGLANG_DART_CPU=1); none on a GPU
+    host, where SGLang's own defaults (CUDA, its memory planner) apply."""
+    from sglang_dart.cpu.detect import cpu_engine_wanted
+
+    return list(CPU_ARGS) if cpu_engine_wanted() else []
+
+
+def default_engine_kwargs() -> dict[str, object]:
+    """`sglang.Engine` keyword arguments equivalent to `default_device_args()`."""
+    flags = default_device_args()
+    return {"device": "cpu", "max_total_tokens": 32768, "sleep_on_idle": True} if flags else {}
+
+
+def device_flag() -> list[str]:
+    """`--device cpu` where SGLang runs its CPU engine, nothing on a GPU host (SGLang picks CUDA)."""
+    return default_device_args()[:2]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -43,7 +62,7 @@ class SglangServer:
         self.model_path = str(model_path)
         self.env = {**os.environ, **env} if env else None  # extra variables for the server process
         self.args = list(args)
-        self.device_args = CPU_ARGS if device_args is None else list(device_args)
+        self.device_args = default_device_args() if device_args is None else list(device_args)
         self.log_path = Path(log_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -18,8 +18,11 @@ for _var in ("SGLANG_USE_CPU_ENGINE", "SGLANG_DART_CPU"):
 # the lossless checks at batch 16 exercise tree verification, not the root-only steps that a batch-size
 # schedule would switch to.
 os.environ["SGLANG_DART_TREE_SIZES"] = "fixed"
-# DART servers assert their bookkeeping invariants every step (sglang_dart/dart/worker.py).
+# DART servers assert their bookkeeping invariants and their host-read budget every step
+# (sglang_dart/dart/worker.py, host_reads.py).
 os.environ["SGLANG_DART_CHECKS"] = "1"
+# Every server checks SGLang's own KV-pool invariants after each busy step (no leaked or double-freed slot).
+os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,17 @@ from torch.nn.functional import scaled_dot_product_attention
 SCORE_BLOCK_BYTES = 256 << 20
 
 
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host-built tensor on `device`. On CUDA through pinned memory, without waiting: a copy from
+    pageable memory (what `.to(device)` does) waits for the stream, a host sync."""
+    device = torch.device(device)
+    if host.device == device:
+        return host
+    if device.type == "cuda" and host.device.type == "cpu":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """Index tensors for one forward pass, shared by all layers."""
@@ -52,9 +63,7 @@ class AttentionPlan:
         if self.mask.device == torch.device(device):
             return self
         moved = (getattr(self, f.name) for f in fields(self))
-        return AttentionPlan(
-            *(x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in moved)
-        )
+        return AttentionPlan(*(upload(x, device) if isinstance(x, torch.Tensor) else x for x in moved))
 
 
 def _padded(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,9 +103,9 @@ def make_plan(
 
     p_cols, p_valid = _padded(prefix_lens, width_p)
     q_cols, q_valid = _padded(query_lens, width_q)
-    rows = req_pool_indices.to(device=device, dtype=torch.int64).unsqueeze(1)
-    prefix_loc = req_to_token[rows, p_cols.to(device)].to(torch.int64)
-    prefix_loc = torch.where(p_valid.to(device), prefix_loc, 0)
+    rows = upload(req_pool_indices.to(torch.int64), device).unsqueeze(1)
+    prefix_loc = req_to_token[rows, upload(p_cols, device)].to(torch.int64)
+    prefix_loc = torch.where(upload(p_valid, device), prefix_loc, 0)
     query_start = torch.cumsum(query_lens, 0) - query_lens
     query_row = torch.where(q_valid, query_start.unsqueeze(1) + q_cols, 0)
 
@@ -127,8 +136,8 @@ def make_plan(
     dense = bool((query_lens == width_q).all())
     key_loc = None
     if new_token_loc is not None:
-        new_loc = new_token_loc.to(device=device, dtype=torch.int64)[query_row.to(device)]
-        key_loc = torch.cat([prefix_loc, torch.where(q_valid.to(device), new_loc, 0)], dim=1)
+        new_loc = upload(new_token_loc.to(torch.int64), device)[upload(query_row, device)]
+        key_loc = torch.cat([prefix_loc, torch.where(upload(q_valid, device), new_loc, 0)], dim=1)
     valid_slots = q_valid.reshape(-1).nonzero().squeeze(1)
     host_plan = AttentionPlan(
         prefix_loc,

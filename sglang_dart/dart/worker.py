@@ -40,6 +40,8 @@ from sglang.srt.speculative.spec_utils import (
     move_accept_tokens_to_target_kvcache,
 )
 
+from sglang_dart.attention.tree_attention import upload
+from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import StepClock
 from sglang_dart.dart.draft_runner import DraftRunner
 from sglang_dart.dart.penalties import apply_node_penalties, penalized
@@ -70,14 +72,18 @@ def _last_tokens(req: Any, n: int) -> list[int]:
     return (list(req.origin_input_ids[-missing:]) if missing else []) + tail
 
 
-def _check_roots_follow_the_cache(reqs: list[Any], committed_lens: list[int]) -> None:
-    """Every token but a request's newest (the root) has its KV committed: the root sits at the committed
-    length, where the draft state of this step's tokens starts."""
-    for req, committed in zip(reqs, committed_lens, strict=True):
-        tokens = len(req.origin_input_ids) + len(req.output_ids)
-        if committed != tokens - 1:
+def _committed_lens(reqs: list[Any]) -> list[int]:
+    """Each request's committed KV length before a decode step: every token but its newest (the root)."""
+    return [len(req.origin_input_ids) + len(req.output_ids) - 1 for req in reqs]
+
+
+def _check_roots_follow_the_cache(reqs: list[Any], committed_lens: list[int], seq_lens_cpu: Any) -> None:
+    """The scheduler's KV lengths (a host tensor, read with numpy: no device read) are the committed
+    lengths DART derives from the requests, where the draft state of this step's tokens starts."""
+    for req, committed, kv_len in zip(reqs, committed_lens, seq_lens_cpu.numpy(), strict=True):
+        if committed != int(kv_len):
             raise AssertionError(
-                f"DART: request {req.rid} has {tokens} tokens but a committed KV length of {committed}"
+                f"DART: request {req.rid} has {committed + 1} tokens but a committed KV length of {kv_len}"
             )
 
 
@@ -133,6 +139,7 @@ class DartWorker(NGRAMWorker):
         self._candidates: dict[str, DraftCandidates] = {}
         self.runner: DraftRunner | None = None
         self.checks = os.environ.get(CHECKS_ENV) == "1"
+        self._step_kind = "prefill"  # what the last step was, for the host-read budget
 
     def _check_store(self, tokenizer: Any, vocab: int) -> None:
         path = self.server_args.speculative_ngram_external_corpus_path
@@ -231,8 +238,8 @@ class DartWorker(NGRAMWorker):
         size = self._step_size(batch) if size is None else size
         with self.timer.phase("prune"):
             tokens, mask = self._trees(batch, size)
-        draft_tokens = torch.from_numpy(tokens).to(self.device)
-        tree_mask = torch.from_numpy(mask).to(self.device)
+        draft_tokens = upload(torch.from_numpy(tokens), self.device)
+        tree_mask = upload(torch.from_numpy(mask), self.device)
         positions = torch.empty(bs * size, dtype=torch.int64, device=self.device)
         retrieve = [torch.empty((bs, size), dtype=torch.int64, device=self.device) for _ in range(3)]
         ngram.reconstruct_indices_from_tree_mask(tree_mask, batch.seq_lens, positions, *retrieve, bs, size)
@@ -272,8 +279,11 @@ class DartWorker(NGRAMWorker):
             # top-k in the draft's dtype: upcasting every row of the draft vocabulary first cost more
             # than the top-k itself; only the k kept values need float32.
             top = torch.topk(logits, self.candidates, dim=-1)
-            probs = torch.softmax(top.values.float(), dim=-1).cpu().numpy()  # over the top-k (reference)
-            tokens = self.drafter.draft_to_target(top.indices).to(torch.int64).cpu().numpy()
+            probs = torch.softmax(top.values.float(), dim=-1)  # over the top-k (reference)
+            ids = self.drafter.draft_to_target(top.indices).float()  # exact: vocabularies < 2**24
+            # The pruner's inputs cross to the host in one transfer.
+            both = torch.stack([probs, ids]).cpu().numpy()
+            probs, tokens = both[0], both[1].astype(np.int64)
         for i, req in enumerate(batch.reqs):
             self._candidates[req.rid] = DraftCandidates(
                 tokens[i], probs[i], int(roots[i]), (int(contexts[i][0]), int(contexts[i][1]))
@@ -281,13 +291,14 @@ class DartWorker(NGRAMWorker):
 
     def _draft_after_extend(self, batch: Any, taps: torch.Tensor, sampled: torch.Tensor) -> None:
         runner = self.runner
-        rpi = batch.req_pool_indices
-        firsts, lasts, nexts, roots, contexts, slots = [], [], [], [], [], []
-        sampled_ids = sampled.tolist()
+        rows = [req.req_pool_idx for req in batch.reqs]
+        firsts, lasts, nexts, roots, contexts, prefixes, ends = [], [], [], [], [], [], []
+        sampled_ids = sampled.tolist()  # the one read of a prefill before its candidates
         for i, req in enumerate(batch.reqs):
             prefix, extend = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
             end = prefix + extend
-            slots.append(runner.req_to_token[rpi[i], prefix:end])
+            prefixes.append(prefix)
+            ends.append(end - 1)
             seq = list(req.origin_input_ids) + list(req.output_ids)
             after = seq[end] if end < len(seq) else sampled_ids[i]  # next prompt token, or the first output
             tail = seq[:end] + [after]
@@ -298,10 +309,9 @@ class DartWorker(NGRAMWorker):
             roots.append(after)
             contexts.append(([-1, -1] + tail)[-3:-1])
         # The taps rows are the extend tokens of every request, in batch order: one fused write for all.
-        slot_rows = torch.cat(slots).to(torch.int64)
         with self.timer.phase("draft"):
-            runner.store_residuals(slot_rows, taps[: slot_rows.numel()])
-            logits = runner.step(rpi, firsts, lasts, torch.tensor(nexts, dtype=torch.int64))
+            runner.store_residuals(runner.slots_of(rows, prefixes, ends), taps[: sum(batch.extend_lens)])
+            logits = runner.step(rows, firsts, lasts, nexts)
         self._keep_candidates(batch, logits, roots, contexts)
 
     def _draft_after_verify(
@@ -320,11 +330,9 @@ class DartWorker(NGRAMWorker):
         token after each row. The per-request walk runs on host lists (a tensor
         op per request would cost more than a root-only step saves at large batches)."""
         runner = self.runner
-        rpi = batch.req_pool_indices
-        if self.checks:
-            _check_roots_follow_the_cache(batch.reqs, committed_lens)
+        rows = [req.req_pool_idx for req in batch.reqs]
         firsts, lasts, nexts, roots, contexts, paths, slot_rows, slot_cols = [], [], [], [], [], [], [], []
-        for i, (req, committed, row) in enumerate(zip(batch.reqs, committed_lens, rpi.tolist(), strict=True)):
+        for i, (req, committed, row) in enumerate(zip(batch.reqs, committed_lens, rows, strict=True)):
             path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
             paths.extend(path)
             slot_rows.extend([row] * len(path))
@@ -337,18 +345,18 @@ class DartWorker(NGRAMWorker):
             roots.append(bonus)
             history = _last_tokens(req, 2)
             contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
-        slots = runner.req_to_token[torch.tensor(slot_rows), torch.tensor(slot_cols)].to(torch.int64)
+        index = upload(torch.tensor([slot_rows, slot_cols, paths], dtype=torch.int64), taps.device)
+        slots = runner.req_to_token[index[0], index[1]].to(torch.int64)
         # The next step's size is chosen now: a root-only step needs no draft forward.
         self._planned_size = self.tree_sizes.size_for(len(batch.reqs))
         draft = self._planned_size > 1
         with self.timer.phase("draft"):
-            runner.store_residuals(slots, taps[torch.tensor(paths, device=taps.device)])  # one write
-            next_tokens = torch.tensor(nexts, dtype=torch.int64)
+            runner.store_residuals(slots, taps[index[2]])  # one write
             drafting_from = time.perf_counter()
             if draft:  # a tree of N nodes past its root is at most N deep: deeper rows go unused
-                logits = runner.step(rpi, firsts, lasts, next_tokens, self._planned_size - 1)
+                logits = runner.step(rows, firsts, lasts, nexts, self._planned_size - 1)
             else:
-                runner.store_entries(rpi, firsts, lasts, next_tokens)
+                runner.store_entries(rows, firsts, lasts, nexts)
         if draft:
             self._keep_candidates(batch, logits, roots, contexts)
             self._drafting_seconds = time.perf_counter() - drafting_from
@@ -393,6 +401,19 @@ class DartWorker(NGRAMWorker):
     # --- one scheduler step ----------------------------------------------------------------------------
 
     def forward_batch_generation(self, batch: Any, on_publish: Any = None) -> GenerationBatchResult:
+        if not self.checks:
+            return self._forward(batch, on_publish)
+        # Checked runs count DART's own reads of device tensors against the per-step budget
+        # (host_reads.py); batches with grammars, penalties, processors or logprobs walk more per node.
+        extra = batch.has_grammar or batch.return_logprob or penalized(batch.reqs)
+        extra = extra or batch.sampling_info.has_custom_logit_processor
+        with host_reads.HostReadCounter() as counter:
+            result = self._forward(batch, on_publish)
+        if not extra:
+            host_reads.check_budget(self._step_kind, counter.reads)
+        return result
+
+    def _forward(self, batch: Any, on_publish: Any) -> GenerationBatchResult:
         started = time.perf_counter()
         bs = len(batch.reqs)
         size = self.draft_token_num  # the result stride: this step's tree size after a verify
@@ -401,16 +422,20 @@ class DartWorker(NGRAMWorker):
             finished = self.step_clock.start(started)
             if finished is not None:
                 self.tree_sizes.record(*finished)
+            if self.checks and batch.seq_lens_cpu is not None:
+                _check_roots_follow_the_cache(batch.reqs, _committed_lens(batch.reqs), batch.seq_lens_cpu)
             step_size = self._step_size(batch)
             if step_size == 1 and self._plain_decode_fits(batch):
                 return self._root_only_step(batch, on_publish, started)
             with self.timer.phase("prepare"):
                 self._prepare_for_speculative_decoding(batch, step_size)
         else:  # a prefill: the interval to the next decode step is not a decode step's
+            self._step_kind = "prefill"
             self.step_clock.interrupt()
             self.timer.interrupt()
             self._planned_size = None
         if batch.forward_mode.is_target_verify():
+            self._step_kind = "verify"
             size = batch.spec_info.draft_token_num
             with self.timer.phase("verify"):
                 result = self.target_worker.forward_batch_generation(batch, is_verify=True)
@@ -432,17 +457,25 @@ class DartWorker(NGRAMWorker):
                 compute_spec_v2_logprobs(batch, logits_output, predict, accept_index, size - 1)
             if on_publish is not None:
                 on_publish(new_seq_lens)
+            # The step's results cross to the host in one transfer; the drafts are the host's own trees.
+            flat = [
+                accept_lens.to(torch.int64),
+                accept_index.flatten().to(torch.int64),
+                predict.to(torch.int64),
+            ]
+            host = torch.cat(flat).tolist()
+            lens, rows = host[:bs], host[bs : bs + bs * size]
             self._draft_after_verify(
                 batch,
                 taps,
-                batch.seq_lens.tolist(),
-                verify_input.draft_token.view(-1).tolist(),
-                accept_index.tolist(),
-                accept_lens.tolist(),
-                predict.tolist(),
+                _committed_lens(batch.reqs),
+                self.tree_host[1].tolist(),
+                [rows[i * size : (i + 1) * size] for i in range(bs)],
+                lens,
+                host[bs + bs * size :],
             )
             self._forget_departed(batch)
-            self.step_clock.finish(started, bs, size, int(accept_lens.sum()), self._drafting_seconds)
+            self.step_clock.finish(started, bs, size, sum(lens), self._drafting_seconds)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
             verified = size
@@ -516,18 +549,20 @@ class DartWorker(NGRAMWorker):
         final slot), capturing the taps so the draft state stays complete. Grammar-constrained and
         logprob batches take the size-1 verify path instead, where the worker applies the grammar mask and
         computes logprobs in the layout spec decoding reports them in."""
+        self._step_kind = "root-only"
         bs = len(batch.reqs)
         committed = batch.seq_lens
         roots = [_last_tokens(req, 1)[0] for req in batch.reqs]
         with self.timer.phase("prepare"):
-            batch.input_ids = torch.tensor(roots, dtype=torch.int64, device=self.device)
+            batch.input_ids = upload(torch.tensor(roots, dtype=torch.int64), self.device)
             req_to_token = batch.req_to_token_pool.req_to_token
             batch.out_cache_loc = req_to_token[batch.req_pool_indices, committed].to(torch.int64)
             # Decode counts the new token in seq_lens; the scheduler restores the batch after the step.
             batch.seq_lens = committed + 1
             if batch.seq_lens_cpu is not None:
                 batch.seq_lens_cpu = batch.seq_lens_cpu + 1
-                batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+                if batch.seq_lens_sum is not None:
+                    batch.seq_lens_sum = batch.seq_lens_sum + bs
             if getattr(batch, "orig_seq_lens", None) is not None:
                 batch.orig_seq_lens = batch.orig_seq_lens + 1
             batch.spec_info = None  # a plain forward: no tree mask, no draft positions
@@ -543,11 +578,11 @@ class DartWorker(NGRAMWorker):
         self._draft_after_verify(
             batch,
             result.logits_output.hidden_states,
-            committed.tolist(),  # not batch.seq_lens: the decode forward counts the root in it
+            _committed_lens(batch.reqs),  # not batch.seq_lens: the decode forward counts the root in it
             roots,
             [[i] for i in range(bs)],
             [1] * bs,
-            next_token_ids.tolist(),
+            next_token_ids.tolist(),  # the one read of a root-only step
         )
         self._forget_departed(batch)
         self.step_clock.finish(started, bs, 1, bs, self._drafting_seconds)

@@ -46,7 +46,6 @@ def generate(
     """Yield one row per prompt, in prompt order, as soon as it and every row before it are answered."""
     from transformers import AutoTokenizer
 
-    from sglang_dart.cpu.detect import has_accelerator
     from sglang_dart.server_process import SglangServer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -54,7 +53,6 @@ def generate(
         target,
         ["--max-running-requests", str(concurrency), "--dtype", dtype],
         log_dir / "generate-server.log",
-        device_args=[] if has_accelerator() else None,
     )
     try:  # started inside the try: a SIGTERM while it boots must stop it too
         server.start()

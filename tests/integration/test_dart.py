@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_dart.server_process import SglangServer, free_port, run_launcher
+from sglang_dart.server_process import (
+    SglangServer,
+    default_engine_kwargs,
+    device_flag,
+    free_port,
+    run_launcher,
+)
 from tests.support.dart_assets import build_random_drafter, build_store_for, build_store_from_ids
 from tests.support.engine_run import run_engine
 from tests.support.prompts_many import many_prompts
@@ -333,7 +339,7 @@ def _engine_kwargs(model: Path, cli_args: list[str]) -> dict:
     """sglang.Engine keyword arguments for a model and `--flag value` pairs."""
     flags = dict(zip(cli_args[::2], cli_args[1::2], strict=True))
     kwargs = {flag[2:].replace("-", "_"): int(v) if v.isdigit() else v for flag, v in flags.items()}
-    base = {"model_path": str(model), "device": "cpu", "max_total_tokens": 32768, "sleep_on_idle": True}
+    base = {"model_path": str(model), **default_engine_kwargs()}
     return {**base, **kwargs}
 
 
@@ -693,7 +699,7 @@ def _check_drafted_counts(outputs: list[dict], tree_sizes: set[int]) -> None:
 
 
 def _launch_dart(model: Path, draft: Path | None, store: Path | None, extra: list[str] = ()) -> str:
-    args = ["--model-path", str(model), "--device", "cpu", "--port", str(free_port()), "--dtype", "float32"]
+    args = ["--model-path", str(model), *device_flag(), "--port", str(free_port()), "--dtype", "float32"]
     args += ["--max-total-tokens", "4096", "--speculative-algorithm", "DART", *extra]
     if draft is not None:
         args += ["--speculative-draft-model-path", str(draft)]

@@ -1,9 +1,11 @@
-"""`sglang.Engine(model_path=M, device="cpu")`: the offline engine entry point, in its own process."""
+"""`sglang.Engine(model_path=M)` (device="cpu" without a GPU): the offline engine entry point, in its own
+process."""
 
 from __future__ import annotations
 
 import pytest
 
+from sglang_dart.server_process import default_engine_kwargs
 from tests.support.engine_run import run_engine
 
 pytestmark = pytest.mark.server
@@ -14,10 +16,8 @@ def test_engine_matches_http_server(tiny_llama_dir, tiny_server):
     greedy = {"max_new_tokens": 16, "temperature": 0.0}
     engine_kwargs = {
         "model_path": str(tiny_llama_dir),
-        "device": "cpu",
         "dtype": "float32",
-        "max_total_tokens": 32768,
-        "sleep_on_idle": True,
+        **default_engine_kwargs(),
     }
     results = run_engine(engine_kwargs, prompts, greedy)
     assert isinstance(results, list), results

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_dart.server_process import free_port, run_launcher
+from sglang_dart.server_process import device_flag, free_port, run_launcher
 
 pytestmark = pytest.mark.server
 
 
 def test_missing_model_path_fails_fast(tmp_path):
     missing = tmp_path / "no-such-model"
-    result = run_launcher(["--model-path", str(missing), "--device", "cpu", "--port", str(free_port())])
+    result = run_launcher(["--model-path", str(missing), *device_flag(), "--port", str(free_port())])
     assert result.returncode != 0
     assert "no-such-model" in result.stdout + result.stderr
 

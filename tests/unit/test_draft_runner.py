@@ -32,7 +32,7 @@ def test_batched_steps_match_single_request_forward(tmp_path):
     for r in range(2):
         runner.store_residuals(req_to_token[rpi[r], : lengths[r]].long(), aux[r][: lengths[r]])
     nxt = torch.cat([tokens[r][1 : lengths[r] + 1] for r in range(2)])
-    logits = runner.step(rpi, [0, 0], [lengths[0] - 1, lengths[1] - 1], nxt)
+    logits = runner.step(rpi.tolist(), [0, 0], [lengths[0] - 1, lengths[1] - 1], nxt.tolist())
     for r in range(2):
         torch.testing.assert_close(logits[r], reference(r, lengths[r]), atol=1e-4, rtol=1e-4)
 
@@ -47,7 +47,7 @@ def test_batched_steps_match_single_request_forward(tmp_path):
         committed = [c + n for c, n in zip(committed, new, strict=True)]
         last = [c - 1 for c in committed]
         nxt = torch.cat([tokens[r][first[r] + 1 : last[r] + 2] for r in range(2)])
-        logits = runner.step(rpi, first, last, nxt)
+        logits = runner.step(rpi.tolist(), first, last, nxt.tolist())
         for r in range(2):
             torch.testing.assert_close(logits[r], reference(r, committed[r]), atol=1e-4, rtol=1e-4)
 
@@ -66,7 +66,7 @@ def test_steps_that_only_store_entries_keep_later_drafts_exact(tmp_path):
     aux = torch.randn(max_len, 3 * H, generator=gen)
     prompt = 5
     runner.store_residuals(req_to_token[0, :prompt].long(), aux[:prompt])
-    runner.step(rpi, [0], [prompt - 1], tokens[1 : prompt + 1])
+    runner.step(rpi.tolist(), [0], [prompt - 1], tokens[1 : prompt + 1].tolist())
     committed = prompt
     for accepted, draft in ((1, False), (1, False), (3, False), (1, True), (2, False), (1, True)):
         runner.store_residuals(
@@ -75,9 +75,9 @@ def test_steps_that_only_store_entries_keep_later_drafts_exact(tmp_path):
         first, committed = committed - 1, committed + accepted
         nxt = tokens[first + 1 : committed + 1]
         if not draft:
-            runner.store_entries(rpi, [first], [committed - 1], nxt)
+            runner.store_entries(rpi.tolist(), [first], [committed - 1], nxt.tolist())
             continue
-        logits = runner.step(rpi, [first], [committed - 1], nxt)
+        logits = runner.step(rpi.tolist(), [first], [committed - 1], nxt.tolist())
         with torch.no_grad():
             expected = drafter(aux[:committed], tokens[1 : committed + 1], start_pos=0).logits
         torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
@@ -100,7 +100,10 @@ def test_a_shallower_step_gives_the_first_rows_of_the_full_step(tmp_path):
     for depths in (None, 1, 3, full_depth, full_depth + 5):
         runner = DraftRunner(drafter, req_to_token, num_slots)
         runner.store_residuals(req_to_token[0, :prompt].long(), aux)
-        results[depths] = (runner.step(rpi, [0], [prompt - 1], tokens[1:], depths), runner.keys.clone())
+        results[depths] = (
+            runner.step(rpi.tolist(), [0], [prompt - 1], tokens[1:].tolist(), depths),
+            runner.keys.clone(),
+        )
     full, full_keys = results[None]
     assert full.shape[1] == full_depth
     for depths in (1, 3, full_depth, full_depth + 5):
@@ -108,3 +111,28 @@ def test_a_shallower_step_gives_the_first_rows_of_the_full_step(tmp_path):
         assert logits.shape[1] == min(depths, full_depth)
         torch.testing.assert_close(logits, full[:, : logits.shape[1]], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(keys, full_keys, atol=1e-5, rtol=1e-5)  # GEMM blocking may differ
+
+
+def test_a_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_path):
+    """The runner, its buffers, the drafter and SGLang's req_to_token on the meta device (a device with
+    no data: reading a value back raises, and so does an op mixing a meta tensor with a host one), the
+    request layout in host lists as the worker passes it: a prefill draft, a draft after a verify and a
+    store-only step all run, and give logits of the right shape on that device."""
+    embed = _embedding().to("meta")  # the target's embedding: the drafter loads onto its device
+    drafter = load_drafter(_write_checkpoint(tmp_path / "draft"), embed, H, V, dtype=torch.float32)
+    req_to_token = torch.zeros(4, 40, dtype=torch.int32, device="meta")
+    runner = DraftRunner(drafter, req_to_token, 200)
+    assert runner.keys.device.type == "meta"
+    rows = [1, 3]
+    runner.store_residuals(
+        torch.zeros(11, dtype=torch.int64, device="meta"), torch.zeros(11, 3 * H, device="meta")
+    )
+    logits = runner.step(rows, [0, 0], [6, 3], list(range(11)))
+    assert logits.device.type == "meta" and logits.shape == (
+        2,
+        drafter.cfg.draft_length + 1,
+        drafter.cfg.draft_vocab_size,
+    )
+    logits = runner.step(rows, [6, 3], [9, 3], [1, 2, 3, 4, 5], depths=3)
+    assert logits.shape[:2] == (2, 3)
+    runner.store_entries(rows, [9, 3], [10, 5], [1, 2, 3, 4, 5])

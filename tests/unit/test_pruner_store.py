@@ -76,3 +76,35 @@ def test_store_vocab_bounds_token_ids(tmp_path: Path) -> None:
             store=store,
             config=PrunerConfig(num_nodes=2),
         )
+
+
+def _mappings_of(path: Path) -> int:
+    """Distinct memory maps of `path` in this process (one mmap may show as several lines)."""
+    inode = path.stat().st_ino
+    starts = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[4] == str(inode) and fields[5] == str(path):
+            starts.add(fields[0].split("-")[0])
+    return len(starts)
+
+
+def test_the_pruner_reads_the_stores_own_mapping(tmp_path: Path) -> None:
+    """One map of the file per store object: the pruner borrows the object's reader instead of mapping
+    the file again by path, so it keeps reading the bytes the object opened even after the file on disk
+    is replaced (store files are replaced by rename, never rewritten)."""
+    store = _store(tmp_path, [[1, 2, 3, 1, 2, 4]], 5)
+    path = tmp_path / "store.dng"
+    rng = np.random.default_rng(0)
+    args = (rng.integers(0, 5, size=(2, 3, 2)), np.full((2, 3, 2), 0.5, np.float32), np.array([1, 2]))
+    ctx, cfg = np.array([[-1, 1], [1, 2]]), PrunerConfig(beam_width=2, num_nodes=4)
+    before = prune_batch(*args, ctx, [], config=cfg, store=store)
+    assert _mappings_of(path) == 1
+    replacement = tmp_path / "other.dng"
+    b = _core.NgramBuilder(5)
+    b.add_document(np.array([4, 4, 4], np.int64))
+    b.finish(replacement)
+    replacement.replace(path)
+    after = prune_batch(*args, ctx, [], config=cfg, store=store)
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -353,3 +353,42 @@ def test_plan_shapes_and_rows():
     for r, p in enumerate(case.prefix_lens):
         expected = case.req_to_token[case.req_pool_indices[r], :p].to(torch.int64)
         assert plan.prefix_loc[r, :p].tolist() == expected.tolist()
+
+
+def test_long_chunks_attend_in_blocks_with_the_same_result(monkeypatch):
+    """A prefill chunk of Q queries over P + Q keys would need a [bs, H, Q, P + Q] float32 score tensor;
+    queries are taken in blocks so that no score block exceeds SCORE_BLOCK_BYTES, with the same output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sglang_dart.attention import tree_attention
+
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, prefix, q_len = 4, 2, 8, 40, 96
+    k_cache = torch.randn(prefix + q_len + 1, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(prefix + q_len + 1, kv_heads, dim, generator=gen)
+    req_to_token = torch.arange(1, prefix + q_len + 1, dtype=torch.int32).view(1, -1)
+    q = torch.randn(q_len, heads, dim, generator=gen)
+    k_new, v_new = (
+        torch.randn(q_len, kv_heads, dim, generator=gen),
+        torch.randn(q_len, kv_heads, dim, generator=gen),
+    )
+    plan = make_plan(req_to_token, torch.tensor([0]), torch.tensor([prefix]), torch.tensor([q_len]))
+    whole = attend(plan, q, k_new, v_new, k_cache, v_cache, scaling=0.3, logit_cap=30.0)
+
+    class LargestFloat(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    LargestFloat.largest = max(LargestFloat.largest, t.numel() * 4)
+            return out
+
+    scores = heads * q_len * (prefix + q_len) * 4  # the whole score tensor, in bytes
+    budget = scores // 8
+    monkeypatch.setattr(tree_attention, "SCORE_BLOCK_BYTES", budget)
+    with LargestFloat():
+        blocked = attend(plan, q, k_new, v_new, k_cache, v_cache, scaling=0.3, logit_cap=30.0)
+    assert LargestFloat.largest <= budget
+    torch.testing.assert_close(blocked, whole)

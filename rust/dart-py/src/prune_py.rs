@@ -1,8 +1,7 @@
 //! Python bindings of the batched pruner: `prune_batch(...)` and the test/benchmark n-gram model
 //! `DictNgramModel`. The compute runs with the GIL released; outputs are numpy arrays that own the Rust
 //! buffers (no copy). Every error becomes a `ValueError` (`TypeError` for a wrong `store` type).
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use dart_core::prune::{self, BatchInput, DictNgramModel, PruneConfig, TokenIds, TreeBatch};
 use dart_core::store::NgramStore;
@@ -103,43 +102,6 @@ enum Model {
     Store(Arc<NgramStore>),
 }
 
-/// Readers of the `NgramStore` objects seen so far, by object identity (a few entries, most recent last).
-///
-/// `PyNgramStore` keeps its reader private, so the pruner maps the same file again from the object's
-/// `path` (an O(1) header-checked mmap sharing the page cache) once per store object and reuses it.
-/// Store files are replaced by atomic rename, never rewritten in place, so both maps see the same bytes
-/// unless the file was replaced between the two opens. Holding the object keeps its identity unique.
-static STORE_READERS: Mutex<Vec<(Py<PyAny>, Arc<NgramStore>)>> = Mutex::new(Vec::new());
-const STORE_READERS_MAX: usize = 8;
-
-fn store_reader(store: &Bound<'_, PyNgramStore>) -> PyResult<Arc<NgramStore>> {
-    // No GIL release while the lock is held (a thread holding the GIL may be waiting for it).
-    let mut cache = STORE_READERS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, r)) = cache.iter().find(|(o, _)| o.as_ptr() == store.as_ptr()) {
-        return Ok(r.clone());
-    }
-    let path: PathBuf = store.getattr("path")?.extract()?;
-    let reader = NgramStore::open(&path).map_err(|e| {
-        value_error(format!(
-            "cannot map the n-gram store {}: {e}",
-            path.display()
-        ))
-    })?;
-    let vocab: u64 = store.getattr("vocab_size")?.extract()?;
-    if reader.vocab_size() != vocab {
-        return Err(value_error(format!(
-            "n-gram store {} changed on disk since it was opened",
-            path.display()
-        )));
-    }
-    let reader = Arc::new(reader);
-    if cache.len() >= STORE_READERS_MAX {
-        cache.remove(0);
-    }
-    cache.push((store.clone().into_any().unbind(), reader.clone()));
-    Ok(reader)
-}
-
 impl Model {
     fn from_py(store: Option<&Bound<'_, PyAny>>) -> PyResult<Model> {
         let Some(store) = store else {
@@ -149,7 +111,7 @@ impl Model {
             return Ok(Model::Dict(m.get().inner.clone()));
         }
         if let Ok(m) = store.cast::<PyNgramStore>() {
-            return Ok(Model::Store(store_reader(m)?));
+            return Ok(Model::Store(m.get().inner.clone()));
         }
         Err(PyTypeError::new_err(format!(
             "store must be None, an NgramStore or a DictNgramModel, got {}",
@@ -201,11 +163,29 @@ fn contiguous<'a, T>(
 /// Prunes a batch of draft trees. See `sglang_dart.pruner.prune_batch` for the documented API.
 ///
 /// Returns `(tokens [bs, N] int64, parents [bs, N] int32, depth [bs, N] int32, tree_mask [bs, N, N] bool)`.
+/// The pruner's defaults (Rust's `PruneConfig::default()`, the reference's values) as a dict.
+#[pyfunction]
+fn default_prune_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PruneConfig::default();
+    let out = PyDict::new(py);
+    out.set_item("topk", d.topk)?;
+    out.set_item("beam_width", d.beam_width)?;
+    out.set_item("num_nodes", d.num_nodes)?;
+    out.set_item("ngram_weight", d.ngram_weight)?;
+    out.set_item("level_weight_exponent", d.level_weight_exponent)?;
+    out.set_item("logit_weight_base", d.logit_weight_base)?;
+    out.set_item("eps", d.eps)?;
+    out.set_item("ngram_at_level0", d.ngram_at_level0)?;
+    out.set_item("level_weights", d.level_weights)?;
+    out.set_item("logit_weights", d.logit_weights)?;
+    Ok(out)
+}
+
 #[pyfunction]
 #[pyo3(signature = (
     token_ids, probs, roots, context, eos_ids, *, store = None, vocab_size = None, topk = None,
-    beam_width = 20, num_nodes = 60, ngram_weight = 0.5, level_weight_exponent = 0.7,
-    logit_weight_base = 0.9, eps = 1e-10, ngram_at_level0 = false, level_weights = None,
+    beam_width = None, num_nodes = None, ngram_weight = None, level_weight_exponent = None,
+    logit_weight_base = None, eps = None, ngram_at_level0 = None, level_weights = None,
     logit_weights = None
 ))]
 #[allow(clippy::too_many_arguments)]
@@ -219,13 +199,13 @@ fn prune_batch<'py>(
     store: Option<&Bound<'py, PyAny>>,
     vocab_size: Option<u64>,
     topk: Option<usize>,
-    beam_width: usize,
-    num_nodes: usize,
-    ngram_weight: f64,
-    level_weight_exponent: f64,
-    logit_weight_base: f64,
-    eps: f64,
-    ngram_at_level0: bool,
+    beam_width: Option<usize>,
+    num_nodes: Option<usize>,
+    ngram_weight: Option<f64>,
+    level_weight_exponent: Option<f64>,
+    logit_weight_base: Option<f64>,
+    eps: Option<f64>,
+    ngram_at_level0: Option<bool>,
     level_weights: Option<Vec<f64>>,
     logit_weights: Option<Vec<f64>>,
 ) -> PyResult<Trees<'py>> {
@@ -273,17 +253,19 @@ fn prune_batch<'py>(
     }
     let model = Model::from_py(store)?;
     let vocab = vocab_size.or(model.vocab_size());
+    // Unset knobs take `PruneConfig::default()`, the one place the defaults are written.
+    let d = PruneConfig::default();
     let cfg = PruneConfig {
-        topk,
-        beam_width,
-        num_nodes,
-        ngram_weight,
-        level_weight_exponent,
-        logit_weight_base,
-        eps,
-        ngram_at_level0,
-        level_weights,
-        logit_weights,
+        topk: topk.or(d.topk),
+        beam_width: beam_width.unwrap_or(d.beam_width),
+        num_nodes: num_nodes.unwrap_or(d.num_nodes),
+        ngram_weight: ngram_weight.unwrap_or(d.ngram_weight),
+        level_weight_exponent: level_weight_exponent.unwrap_or(d.level_weight_exponent),
+        logit_weight_base: logit_weight_base.unwrap_or(d.logit_weight_base),
+        eps: eps.unwrap_or(d.eps),
+        ngram_at_level0: ngram_at_level0.unwrap_or(d.ngram_at_level0),
+        level_weights: level_weights.or(d.level_weights),
+        logit_weights: logit_weights.or(d.logit_weights),
     };
     let token_slice = match &tokens {
         Tokens::I32(t) => TokenIds::I32(contiguous(t.as_slice(), "token_ids")?),
@@ -337,5 +319,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDictNgramModel>()?;
     m.add_function(wrap_pyfunction!(prune_batch, m)?)?;
     m.add_function(wrap_pyfunction!(candidate_count, m)?)?;
+    m.add_function(wrap_pyfunction!(default_prune_config, m)?)?;
     Ok(())
 }

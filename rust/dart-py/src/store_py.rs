@@ -2,6 +2,7 @@
 //! `NgramFormatError`. Every error becomes a Python exception (OSError for I/O, `NgramFormatError`
 //! (a ValueError) for bad files, ValueError for bad arguments); nothing here panics on user input.
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use dart_core::store::format::SECTION_NAMES;
 use dart_core::store::{
@@ -52,9 +53,10 @@ fn context_of(ctx: &[i64], vocab: u64) -> PyResult<Option<(Option<u32>, u32)>> {
 }
 
 /// Read-only, memory-mapped 3-gram store. `NgramStore(path)` opens in O(1) (header checks only).
+/// The one mapping of the file in this object is shared (`Arc`) with every pruner call given the object.
 #[pyclass(name = "NgramStore", module = "sglang_dart._core", frozen)]
 pub struct PyNgramStore {
-    inner: NgramStore,
+    pub(crate) inner: Arc<NgramStore>,
     path: String,
 }
 
@@ -64,7 +66,7 @@ impl PyNgramStore {
     fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
         let inner = py.detach(|| NgramStore::open(&path)).map_err(to_py)?;
         Ok(PyNgramStore {
-            inner,
+            inner: Arc::new(inner),
             path: path.to_string_lossy().into_owned(),
         })
     }
