@@ -46,12 +46,11 @@ PROMPTS = [
 def _chat_ids(model: Path, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
+    from tests.support.prompts import chat_ids
+
     tok = AutoTokenizer.from_pretrained(model)
     prompts = (PROMPTS * (n // len(PROMPTS) + 1))[:n]
-    return [
-        tok.apply_chat_template([{"role": "user", "content": f"{p} ({i})"}], add_generation_prompt=True)
-        for i, p in enumerate(prompts)
-    ]
+    return [chat_ids(tok, f"{p} ({i})") for i, p in enumerate(prompts)]
 
 
 def _assets(args: argparse.Namespace) -> tuple[Path, Path]:
