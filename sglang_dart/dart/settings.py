@@ -143,6 +143,7 @@ def validate_server_args(server_args: Any) -> None:
     if server_args.device not in ("cpu", "cuda"):
         raise DartArgsError(f"DART runs on cpu or cuda, not {server_args.device}")
     gpu_contracts.refuse_chain_only_backends(server_args)
+    refuse_split_kv_pools(server_args)
     if server_args.speculative_use_rejection_sampling:
         raise DartArgsError(
             "DART verifies its trees itself (greedy, or one target draw per node, which keeps the target's "
@@ -186,6 +187,21 @@ def validate_server_args(server_args: Any) -> None:
             f"{possible + 1} tree nodes that depth {depth}, top-k {topk} and beam width {cfg.beam_width} "
             "can give"
         )
+
+
+def refuse_split_kv_pools(server_args: Any) -> None:
+    """The drafter keeps its state per slot of one full-attention KV pool; a target whose KV is split into
+    sliding-window and full pools (or hybrid mamba / linear-attention pools) has no such single pool."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    model_config = server_args.get_model_config()
+    if model_config.is_hybrid_swa:
+        raise DartArgsError(
+            "DART does not support a target with a hybrid sliding-window KV pool yet: "
+            "use --disable-hybrid-swa-memory (one full pool)"
+        )
+    if mambaish_config(model_config) is not None:
+        raise DartArgsError("DART does not support targets with mamba / linear-attention layers yet")
 
 
 def handle_server_args(server_args: Any) -> None:

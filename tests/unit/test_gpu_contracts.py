@@ -172,3 +172,37 @@ def test_the_drafter_state_is_counted_in_the_kv_pool_budget(assets):
     per_slot = (config["hidden_size"] + 2 * config["num_key_value_heads"] * config["head_dim"]) * 2
     assert target._cell_size == 1000 + per_slot
     assert draft_worker._cell_size == 1000
+
+
+def test_a_target_with_a_split_kv_pool_is_refused_by_name(assets, tmp_path):
+    """A hybrid sliding-window target (here a Llama whose config opts into SGLang's hybrid-SWA pools)
+    has no single full pool for the drafter's per-slot state."""
+    import shutil
+
+    hybrid = tmp_path / "hybrid"
+    shutil.copytree(assets.model, hybrid)
+    config = json.loads((hybrid / "config.json").read_text())
+    (hybrid / "config.json").write_text(json.dumps({**config, "is_hybrid_swa": True, "sliding_window": 16}))
+    with pytest.raises(DartArgsError, match="--disable-hybrid-swa-memory"):
+        _cuda_server_args(SimpleNamespace(**{**vars(assets), "model": hybrid}))
+
+
+def test_a_draft_step_over_a_full_prefill_chunk_fits_sglangs_reserve(assets):
+    """SGLang keeps (1 - mem_fraction_static) of the GPU for activations. The draft step after a prefill
+    chunk attends chunk + mask rows over the whole prefix: by formula, its largest temporaries (one score
+    block, the boolean masks of the plan, q/k/v/attention input rows) for a Llama-8B-shaped drafter
+    (32 heads of 128, 8 KV heads, hidden 4096) at SGLang's chunked_prefill_size must fit that reserve."""
+    from sglang_dart.attention.tree_attention import SCORE_BLOCK_BYTES, query_block
+
+    args = _cuda_server_args(assets)
+    gpu_bytes = 80 * 1024**3
+    reserve = (1 - args.mem_fraction_static) * gpu_bytes
+    heads, kv_heads, head_dim, hidden, masks = 32, 8, 128, 4096, 7
+    rows = args.chunked_prefill_size + masks
+    keys = 4 * args.chunked_prefill_size + rows  # a chunk deep into a long prompt
+    block = query_block(1, heads, rows, keys)
+    score_block = heads * block * keys * 4
+    plan_masks = 2 * rows * keys  # mask and its SDPA copy, bool
+    activations = rows * (2 * hidden + (heads + 2 * kv_heads) * head_dim + hidden) * 2 * 2  # bf16, x2 slack
+    assert score_block <= SCORE_BLOCK_BYTES
+    assert score_block + plan_masks + activations < reserve / 4, (score_block, plan_masks, reserve)
