@@ -219,11 +219,15 @@ def attend(
         group = qp.shape[1] // kp.shape[1]
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
     block = query_block(bs, qp.shape[1], width_q, kp.shape[2])
-    parts = [
-        _attend_block(qp[:, :, i : i + block], kp, vp, mask[:, :, i : i + block], scaling, logit_cap)
-        for i in range(0, width_q, block)
-    ]
-    res = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).transpose(1, 2)  # [bs, Q, H, Dv]
+    if block >= width_q:  # decode and small extends: one block, no slicing (a per-layer cost)
+        res = _attend_block(qp, kp, vp, mask, scaling, logit_cap)
+    else:
+        parts = [
+            _attend_block(qp[:, :, i : i + block], kp, vp, mask[:, :, i : i + block], scaling, logit_cap)
+            for i in range(0, width_q, block)
+        ]
+        res = torch.cat(parts, dim=2)
+    res = res.transpose(1, 2)  # [bs, Q, H, Dv]
     if dense:
         return res.reshape(out_shape).to(q.dtype)
     out = q.new_zeros(out_shape)
