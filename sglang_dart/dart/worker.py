@@ -124,6 +124,8 @@ class DartWorker(NGRAMWorker):
             raise DartArgsError(f"target {type(model).__name__} cannot expose hidden states to the drafter")
         model.set_eagle3_layers_to_capture()  # taps entering layers 2, L//2, L-3: DART's
         vocab, hidden = model_config.vocab_size, model_config.hidden_size
+        if vocab >= 1 << 24:  # draft candidates cross to the host as float32 ids (`_keep_candidates`)
+            raise DartArgsError(f"DART supports vocabularies below 2**24 tokens, not {vocab}")
         embed = model.model.embed_tokens.weight[:vocab]
         self.drafter = load_drafter(server_args.speculative_draft_model_path, embed, hidden, vocab)
         self.store = NgramStore(server_args.speculative_ngram_external_corpus_path)
@@ -561,8 +563,7 @@ class DartWorker(NGRAMWorker):
             batch.seq_lens = committed + 1
             if batch.seq_lens_cpu is not None:
                 batch.seq_lens_cpu = batch.seq_lens_cpu + 1
-                if batch.seq_lens_sum is not None:
-                    batch.seq_lens_sum = batch.seq_lens_sum + bs
+                batch.seq_lens_sum = int(batch.seq_lens_cpu.numpy().sum())  # a host tensor
             if getattr(batch, "orig_seq_lens", None) is not None:
                 batch.orig_seq_lens = batch.orig_seq_lens + 1
             batch.spec_info = None  # a plain forward: no tree mask, no draft positions
