@@ -3,8 +3,10 @@
     python -m sglang_dart.train --target DIR --data data.jsonl --out DRAFT_DIR
         [--draft-length 7] [--draft-vocab-size 8192] [--max-steps 2000] [--max-minutes M] ...
 
-`data.jsonl` holds one {"input_ids": [...]} (or {"text": ...}) per line; `python -m
-sglang_dart.train.generate` makes one by letting the target answer synthetic chat prompts. The result is a
+`data.jsonl` holds one row per line: {"input_ids": [...]}, {"text": ...}, an OpenAI chat
+{"messages": [{"role", "content"}, ...]} or a ShareGPT {"conversations": [{"from", "value"}, ...]} (chat rows
+through the target's chat template; see `conversations.py`). `python -m sglang_dart.train.generate`
+makes one by letting the target answer synthetic chat prompts. The result is a
 checkpoint in the published layout for `--speculative-draft-model-path`.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 from sglang_dart.drafter import load_drafter
-from sglang_dart.jsonl import iter_jsonl
+from sglang_dart.train import conversations
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
 from sglang_dart.train.features import collect_features, load_target
 from sglang_dart.train.trainer import TrainSettings, train
@@ -26,27 +28,24 @@ from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
 
 
 def read_sequences(path: Path, tokenizer, max_len: int) -> list[list[int]]:
-    sequences = []
+    """The data file's sequences (any format of `conversations.py`); a bad file stops the run at once,
+    before the target is run over it."""
     try:
-        for line_no, row in iter_jsonl(path):
-            if isinstance(row, dict) and "input_ids" in row:
-                ids = [int(i) for i in row["input_ids"]]
-            elif isinstance(row, dict) and "text" in row:
-                ids = tokenizer(row["text"])["input_ids"]
-            else:
-                raise SystemExit(f"{path}:{line_no}: needs an object with 'input_ids' or 'text'")
-            sequences.append(ids[:max_len])
+        sequences = conversations.read_sequences(path, tokenizer, max_len)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    if not sequences:
-        raise SystemExit(f"{path} holds no sequences")
-    return sequences
+    if not sequences.ids:
+        raise SystemExit(f"{path} holds no usable sequences ({sequences.report()})")
+    print(f"{path}: {sequences.report()}", flush=True)
+    return sequences.ids
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_dart.train", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, type=Path, help="target model directory (HF layout)")
-    p.add_argument("--data", required=True, type=Path, help=".jsonl of input_ids or text")
+    p.add_argument(
+        "--data", required=True, type=Path, help=".jsonl of input_ids, text, messages or conversations"
+    )
     p.add_argument("--out", required=True, type=Path, help="draft checkpoint directory to write")
     p.add_argument("--draft-length", type=int, default=7, help="mask slots d (tree depth d + 1)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)

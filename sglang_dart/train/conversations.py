@@ -1,0 +1,123 @@
+"""Training rows in the formats people have: token ids, plain text, OpenAI `messages` and ShareGPT
+`conversations`, each turned into the token ids of one sequence.
+
+    {"input_ids": [1, 2, 3]}
+    {"text": "plain text"}
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+
+Chat rows go through the target tokenizer's own chat template (a tokenizer without one is an error,
+raised once, before any training). Rows with no usable content (an empty conversation, empty text) are
+skipped and counted; a row in no known format stops the run, naming the file and line.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_dart.jsonl import iter_jsonl
+
+# ShareGPT speaker names, by the chat-template role they take.
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+_ROLES = {"system", "user", "assistant"}
+
+
+class DataFormatError(ValueError):
+    """A training row that is in no known format, or that a chat format cannot express."""
+
+
+@dataclass
+class Sequences:
+    ids: list[list[int]] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)  # reason -> rows
+
+    def report(self) -> str:
+        if not self.skipped:
+            return f"{len(self.ids)} sequences"
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items()))
+        return f"{len(self.ids)} sequences ({sum(self.skipped.values())} rows skipped: {reasons})"
+
+
+def chat_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """The row's turns as chat-template messages (role, content); [] for an empty conversation."""
+    if "messages" in row:
+        turns = row["messages"]
+        if not isinstance(turns, list):
+            raise DataFormatError("'messages' must be a list of {role, content}")
+        messages = []
+        for turn in turns:
+            if not isinstance(turn, dict) or turn.get("role") not in _ROLES:
+                raise DataFormatError(f"a message needs a role in {sorted(_ROLES)}: {turn!r:.80}")
+            content = turn.get("content")
+            if not isinstance(content, str):
+                raise DataFormatError(f"a message's content must be text: {turn!r:.80}")
+            messages.append({"role": turn["role"], "content": content})
+        return messages
+    turns = row["conversations"]
+    if not isinstance(turns, list):
+        raise DataFormatError("'conversations' must be a list of {from, value}")
+    messages = []
+    for turn in turns:
+        speaker = str(turn.get("from", "")).lower() if isinstance(turn, dict) else ""
+        if speaker not in _SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+            raise DataFormatError(
+                f"a ShareGPT turn needs 'from' in {sorted(_SHAREGPT_ROLES)} and a text 'value'"
+            )
+        messages.append({"role": _SHAREGPT_ROLES[speaker], "content": turn["value"]})
+    return messages
+
+
+def row_ids(row: Any, tokenizer: Any) -> list[int] | None:
+    """Token ids of one row, or None for a row with nothing in it (counted as skipped by the caller)."""
+    if not isinstance(row, dict):
+        raise DataFormatError("each line must be a JSON object")
+    if "input_ids" in row:
+        return [int(i) for i in row["input_ids"]] or None
+    if "text" in row:
+        return tokenizer(row["text"])["input_ids"] if str(row["text"]).strip() else None
+    if "messages" in row or "conversations" in row:
+        messages = chat_messages(row)
+        if not any(m["content"].strip() for m in messages):
+            return None
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    raise DataFormatError(
+        "unknown row format: expected 'input_ids', 'text', 'messages' (OpenAI) or 'conversations' (ShareGPT)"
+    )
+
+
+def read_sequences(path: Path, tokenizer: Any, max_len: int) -> Sequences:
+    """Every row of a .jsonl file as token ids truncated to max_len; DataFormatError naming file and line."""
+    out = Sequences()
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    for line_no, row in iter_jsonl(path):
+        if isinstance(row, dict) and ("messages" in row or "conversations" in row) and not has_template:
+            raise DataFormatError(
+                f"{path}:{line_no}: a chat row, but the target's tokenizer has no chat template"
+            )
+        try:
+            ids = row_ids(row, tokenizer)
+        except DataFormatError as exc:
+            raise DataFormatError(f"{path}:{line_no}: {exc}") from None
+        if ids is None:
+            out.skipped["empty"] += 1
+        elif len(ids) < 3:
+            out.skipped["shorter than 3 tokens"] += 1
+        else:
+            out.ids.append(ids[:max_len])
+    return out

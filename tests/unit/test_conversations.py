@@ -1,0 +1,92 @@
+"""Training data in the common chat formats: each row becomes the target's chat-templated token ids, as if
+the conversation had been written by hand through the tokenizer; empty rows are counted, bad rows named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from sglang_dart.train.conversations import DataFormatError, read_sequences
+from tests.support.tiny_models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    out = tmp_path_factory.mktemp("tok")
+    build_tokenizer(out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def _write(path: Path, rows: list[object]) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _templated(tokenizer, messages: list[dict]) -> list[int]:  # noqa: ANN001
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return tokenizer(text)["input_ids"]
+
+
+def test_openai_and_sharegpt_rows_become_the_same_templated_ids(tokenizer, tmp_path):
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "    return a + b"},
+    ]
+    sharegpt = [
+        {"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+        for m in chat
+    ]
+    rows = [
+        {"messages": chat},
+        {"conversations": sharegpt},
+        {"input_ids": [5, 6, 7, 8]},
+        {"text": "import os\n"},
+    ]
+    got = read_sequences(_write(tmp_path / "d.jsonl", rows), tokenizer, max_len=1000)
+    expected = _templated(tokenizer, chat)
+    assert got.ids[0] == expected and got.ids[1] == expected
+    assert got.ids[2] == [5, 6, 7, 8] and got.ids[3] == tokenizer("import os\n")["input_ids"]
+    assert not got.skipped and got.report() == "4 sequences"
+
+
+def test_empty_rows_are_counted_not_fatal(tokenizer, tmp_path):
+    rows = [
+        {"messages": []},
+        {"conversations": [{"from": "human", "value": "   "}]},
+        {"text": ""},
+        {"input_ids": [1, 2]},
+        {"messages": [{"role": "user", "content": "hello there, how are you"}]},
+    ]
+    got = read_sequences(_write(tmp_path / "d.jsonl", rows), tokenizer, max_len=1000)
+    assert len(got.ids) == 1
+    assert got.skipped == {"empty": 3, "shorter than 3 tokens": 1}
+    assert "4 rows skipped" in got.report()
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "x", "completion": "y"}, "unknown row format"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "needs a role"),
+        ({"messages": [{"role": "user", "content": ["image"]}]}, "content must be text"),
+        ({"conversations": [{"from": "narrator", "value": "x"}]}, "ShareGPT turn"),
+        ({"conversations": "hi"}, "must be a list"),
+        (["not", "an", "object"], "JSON object"),
+    ],
+)
+def test_a_row_in_no_known_format_is_named_by_file_and_line(tokenizer, tmp_path, row, message):
+    path = _write(tmp_path / "d.jsonl", [{"text": "fine"}, row])
+    with pytest.raises(DataFormatError, match=rf"d\.jsonl:2: .*{message}"):
+        read_sequences(path, tokenizer, max_len=1000)
+
+
+def test_chat_rows_need_a_chat_template(tokenizer, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = None
+    path = _write(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(DataFormatError, match="no chat template"):
+        read_sequences(path, tokenizer, max_len=1000)
