@@ -121,3 +121,45 @@ def read_sequences(path: Path, tokenizer: Any, max_len: int) -> Sequences:
         else:
             out.ids.append(ids[:max_len])
     return out
+
+
+def prompt_turns(row: Any) -> list[dict[str, str]] | None:
+    """A generation prompt from one row: the conversation up to and including its last user turn (the
+    target writes the answer), or a {"prompt": text} / plain string as one user turn; None when the row
+    has no user turn with content."""
+    if isinstance(row, str):
+        row = {"prompt": row}
+    if not isinstance(row, dict):
+        raise DataFormatError("each line must be a JSON object or string")
+    if "prompt" in row:
+        text = row["prompt"]
+        return [{"role": "user", "content": text}] if isinstance(text, str) and text.strip() else None
+    if "messages" not in row and "conversations" not in row:
+        raise DataFormatError("unknown prompt format: expected 'prompt', 'messages' or 'conversations'")
+    messages = chat_messages(row)
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None or not messages[last_user]["content"].strip():
+        return None
+    return messages[: last_user + 1]
+
+
+def read_prompts(path: Path) -> tuple[list[list[dict[str, str]]], Counter]:
+    """Prompts from a .txt (one per line) or .jsonl file (rows of `prompt_turns`), and the skipped rows
+    by reason; DataFormatError naming file and line."""
+    prompts: list[list[dict[str, str]]] = []
+    skipped: Counter = Counter()
+    if path.suffix not in (".jsonl", ".json", ".ndjson"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                prompts.append([{"role": "user", "content": line}])
+        return prompts, skipped
+    for line_no, row in iter_jsonl(path):
+        try:
+            turns = prompt_turns(row)
+        except DataFormatError as exc:
+            raise DataFormatError(f"{path}:{line_no}: {exc}") from None
+        if turns is None:
+            skipped["no user turn"] += 1
+        else:
+            prompts.append(turns)
+    return prompts, skipped

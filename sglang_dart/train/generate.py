@@ -22,13 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 
+from sglang_dart.train.conversations import read_prompts
 from sglang_dart.train.prompts import training_prompts
 
 
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-    )
+def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
+    """The chat-templated ids of a prompt: one user turn, or a conversation ending with a user turn."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
@@ -36,7 +37,7 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def generate(
     target: Path,
-    prompts: list[str],
+    prompts: list[str] | list[list[dict[str, str]]],
     max_new_tokens: int,
     concurrency: int,
     log_dir: Path,
@@ -58,12 +59,12 @@ def generate(
         server.start()
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
 
-        def one(prompt: str) -> dict:
+        def one(prompt: str | list[dict[str, str]]) -> dict:
             ids = chat_prompt_ids(tokenizer, prompt)
             out = server.generate({"input_ids": ids, "sampling_params": params}, timeout=3600)
             full = ids + [int(t) for t in out["output_ids"]]
             return {
-                "prompt": prompt,
+                "prompt": prompt if isinstance(prompt, str) else prompt[-1]["content"],
                 "input_ids": full,
                 "prompt_len": len(ids),
                 "text": tokenizer.decode(full),
@@ -85,6 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", required=True, type=Path, help="target model directory (HF layout)")
     p.add_argument("--out", required=True, type=Path, help="output .jsonl")
     p.add_argument("--num-prompts", type=int, default=None, help="default: every prompt of the pool")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="prompts to answer instead of the built-in pool: .txt (one per line) or .jsonl of "
+        "{prompt}, OpenAI {messages} or ShareGPT {conversations} (answered after the last user turn)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -98,7 +106,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.samples_per_prompt > 1 and args.temperature == 0:
         p.error("--samples-per-prompt > 1 needs --temperature > 0 (greedy answers would repeat)")
     exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
-    prompts = training_prompts(args.num_prompts, seed=args.seed, exclude=exclude) * args.samples_per_prompt
+    if args.prompts is not None:
+        try:
+            turns, skipped = read_prompts(args.prompts)
+        except (OSError, ValueError) as exc:
+            p.error(str(exc))
+        turns = [t for t in turns if t[-1]["content"] not in exclude]
+        if skipped:
+            print(f"{args.prompts}: skipped {sum(skipped.values())} rows ({dict(skipped)})", file=sys.stderr)
+        if not turns:
+            p.error(f"{args.prompts} holds no prompts")
+        prompts = turns[: args.num_prompts]
+    else:
+        prompts = training_prompts(args.num_prompts, seed=args.seed, exclude=exclude)
+    prompts = prompts * args.samples_per_prompt
     # Rows go to a side file as they arrive, so an interrupted run keeps what it generated; the output
     # path only ever holds a complete run.
     args.out.parent.mkdir(parents=True, exist_ok=True)

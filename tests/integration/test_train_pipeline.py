@@ -126,3 +126,39 @@ def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp
     while _server_pids() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _server_pids() - before, "the generate server outlived its command"
+
+
+def test_generate_answers_chat_files_after_their_last_user_turn(tiny_qwen3_dir, tmp_path):
+    """`generate --prompts` with OpenAI and ShareGPT rows: each answer follows the chat-templated turns up
+    to the last user turn, greedy, as the target answers that conversation itself."""
+    from transformers import AutoTokenizer
+
+    from sglang_dart.train.generate import chat_prompt_ids
+
+    turns = [
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "return a + b"},
+        {"role": "user", "content": "import os"},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"messages": turns + [{"role": "assistant", "content": "dropped"}]})
+        + "\n"
+        + json.dumps({"conversations": [{"from": "human", "value": "class A:"}]})
+        + "\n"
+        + json.dumps({"conversations": []})
+        + "\n"
+    )
+    data = tmp_path / "data.jsonl"
+    _run(
+        "sglang_dart.train.generate",
+        "--target", str(tiny_qwen3_dir), "--out", str(data), "--prompts", str(prompts),
+        "--max-new-tokens", "8", "--concurrency", "2", "--dtype", "float32",
+    )  # fmt: skip
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    assert [r["prompt"] for r in rows] == ["import os", "class A:"]
+    expected = [chat_prompt_ids(tokenizer, turns), chat_prompt_ids(tokenizer, "class A:")]
+    for row, prefix in zip(rows, expected, strict=True):
+        assert row["prompt_len"] == len(prefix) and row["input_ids"][: len(prefix)] == prefix
+        assert len(row["input_ids"]) > len(prefix)

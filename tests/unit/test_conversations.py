@@ -90,3 +90,35 @@ def test_chat_rows_need_a_chat_template(tokenizer, tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(DataFormatError, match="no chat template"):
         read_sequences(path, tokenizer, max_len=1000)
+
+
+def test_generation_prompts_end_at_the_last_user_turn(tmp_path):
+    from sglang_dart.train.conversations import read_prompts
+
+    rows = [
+        {"prompt": "Write a haiku."},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                      {"role": "user", "content": "Sort a list"}, {"role": "assistant", "content": "x"}]},
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"}]},
+        {"conversations": [{"from": "gpt", "value": "no user here"}]},
+        {"prompt": "  "},
+    ]  # fmt: skip
+    prompts, skipped = read_prompts(_write(tmp_path / "p.jsonl", rows))
+    assert prompts == [
+        [{"role": "user", "content": "Write a haiku."}],
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Sort a list"},
+        ],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+    ]
+    assert skipped == {"no user turn": 2}
+    (tmp_path / "p.txt").write_text("Explain DNS.\n\nWhat is a monad?\n")
+    text, _ = read_prompts(tmp_path / "p.txt")
+    assert text == [
+        [{"role": "user", "content": "Explain DNS."}],
+        [{"role": "user", "content": "What is a monad?"}],
+    ]
+    with pytest.raises(DataFormatError, match=r"p\.jsonl:1: unknown prompt format"):
+        read_prompts(_write(tmp_path / "p.jsonl", [{"question": "x"}]))
