@@ -7,6 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# File names read as JSON Lines (anything else is plain text where a command takes both).
+JSONL_SUFFIXES = frozenset({".jsonl", ".json", ".ndjson"})
+
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) for every non-blank line; ValueError naming the line on bad JSON."""

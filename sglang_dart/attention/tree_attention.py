@@ -52,8 +52,8 @@ class AttentionPlan:
     # made without the new tokens' slots. Lets a layer whose new K/V are already in the pool read all keys
     # with one gather instead of a gather and a concat.
     key_loc: torch.Tensor | None = None
-    # Non-dense plans: the flat positions in [bs * Q] of the valid query slots, and their rows in q. Index
-    # tensors laid out on the host, so that scattering the output back needs no boolean mask on the device.
+    # The flat positions in [bs * Q] of the valid query slots and their rows in q (used when the plan is
+    # not dense): laid out on the host, so scattering the output back needs no boolean mask on the device.
     valid_slots: torch.Tensor | None = None
     valid_rows: torch.Tensor | None = None
     num_rows: int = 0

@@ -18,10 +18,10 @@ The functions are pure where they can be, so the tests check them with SGLang's 
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any
+
+from sglang_dart.drafter import DraftConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,10 @@ def _verify_graph_returns_taps(spec_info: Any, runner: Any, *_args: Any, **_kwar
     return spec_info
 
 
-def draft_bytes_per_slot(draft_config: dict[str, Any], dtype_bytes: int) -> int:
+def draft_bytes_per_slot(cfg: DraftConfig, dtype_bytes: int) -> int:
     """Bytes the drafter keeps per target KV slot: the fused residual (hidden) and the one layer's key
-    and value (kv heads x head dim each), in the target's dtype (sglang_dart/dart/draft_runner.py)."""
-    hidden = int(draft_config["hidden_size"])
-    heads = int(draft_config["num_attention_heads"])
-    kv_heads = int(draft_config.get("num_key_value_heads") or heads)
-    head_dim = int(draft_config.get("head_dim") or hidden // heads)
-    return (hidden + 2 * kv_heads * head_dim) * dtype_bytes
+    and value (kv heads x head dim each), in the target's dtype (the buffers of `DraftRunner`)."""
+    return (cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim) * dtype_bytes
 
 
 def _count_draft_state_in_pool(_result: Any, configurator: Any, kvc: Any, *_args: Any, **_kw: Any) -> None:
@@ -117,8 +113,8 @@ def _count_draft_state_in_pool(_result: Any, configurator: Any, kvc: Any, *_args
         return
     import torch
 
-    config = json.loads((Path(kvc.server_args.speculative_draft_model_path) / "config.json").read_text())
-    extra = draft_bytes_per_slot(config, torch._utils._element_size(kvc.model_dtype))
+    cfg = DraftConfig.from_dir(kvc.server_args.speculative_draft_model_path)
+    extra = draft_bytes_per_slot(cfg, torch._utils._element_size(kvc.model_dtype))
     configurator._cell_size += extra
     logger.info("DART: KV pool sized with %d drafter bytes per slot", extra)
 

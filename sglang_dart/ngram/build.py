@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 
 from sglang_dart._core import NgramBuilder
-from sglang_dart.jsonl import iter_jsonl
+from sglang_dart.jsonl import JSONL_SUFFIXES, iter_jsonl
 
-_JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -50,7 +49,7 @@ def iter_input_files(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
 def iter_documents(path: Path) -> Iterator[str]:
     """JSONL files (.jsonl/.json/.ndjson): one document per line, its ``text`` field (like the reference).
     Any other file: the whole file is one plain-text document (UTF-8, undecodable bytes replaced)."""
-    if path.suffix.lower() in _JSONL_SUFFIXES:
+    if path.suffix.lower() in JSONL_SUFFIXES:
         for _, obj in iter_jsonl(path):
             text = obj.get("text") if isinstance(obj, dict) else None
             if isinstance(text, str):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_dart.jsonl import iter_jsonl
+from sglang_dart.jsonl import JSONL_SUFFIXES, iter_jsonl
 
 # ShareGPT speaker names, by the chat-template role they take.
 _SHAREGPT_ROLES = {
@@ -80,6 +80,17 @@ def chat_messages(row: dict[str, Any]) -> list[dict[str, str]]:
     return messages
 
 
+def templated_ids(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False
+) -> list[int]:
+    """Token ids of messages through the tokenizer's chat template (transformers 5 returns a BatchEncoding,
+    older versions a list)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
 def row_ids(row: Any, tokenizer: Any) -> list[int] | None:
     """Token ids of one row, or None for a row with nothing in it (counted as skipped by the caller)."""
     if not isinstance(row, dict):
@@ -92,10 +103,7 @@ def row_ids(row: Any, tokenizer: Any) -> list[int] | None:
         messages = chat_messages(row)
         if not any(m["content"].strip() for m in messages):
             return None
-        ids = tokenizer.apply_chat_template(messages, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return templated_ids(tokenizer, messages)
     raise DataFormatError(
         "unknown row format: expected 'input_ids', 'text', 'messages' (OpenAI) or 'conversations' (ShareGPT)"
     )
@@ -148,7 +156,7 @@ def read_prompts(path: Path) -> tuple[list[list[dict[str, str]]], Counter]:
     by reason; DataFormatError naming file and line."""
     prompts: list[list[dict[str, str]]] = []
     skipped: Counter = Counter()
-    if path.suffix not in (".jsonl", ".json", ".ndjson"):
+    if path.suffix.lower() not in JSONL_SUFFIXES:
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 prompts.append([{"role": "user", "content": line}])

@@ -22,17 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 
-from sglang_dart.train.conversations import read_prompts
+from sglang_dart.train.conversations import read_prompts, templated_ids
 from sglang_dart.train.prompts import training_prompts
 
 
 def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
     """The chat-templated ids of a prompt: one user turn, or a conversation ending with a user turn."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    return templated_ids(tokenizer, messages, add_generation_prompt=True)
 
 
 def generate(
