@@ -12,16 +12,23 @@ server started in the same run:
 
 Without --draft/--store the DART drafter has random weights (lossless all the same; its timings then
 measure the machinery, not a drafter) and the 3-gram store is built from the standard library's sources.
-Every server's log and a JSON of all figures land in --out.
+--random-target-like DIR gives the target DIR's config and tokenizer with random weights, for a host the
+real weights cannot reach. Each check runs on its own: a failure is recorded (with its traceback) in the
+report and the next check runs. Every server's log and a JSON of all figures land in --out.
 
-    python benchmarks/gpu_check.py [--model DIR] [--draft DIR --store FILE] [--eagle3-draft DIR]
-        [--dtype bfloat16] [--batch-sizes 1 4 16 64] [--new-tokens 64] [--out DIR]
+    python benchmarks/gpu_check.py [--model DIR | --random-target-like DIR] [--draft DIR --store FILE]
+        [--eagle3-draft DIR] [--dtype bfloat16] [--attention-backend triton] [--server-args "..."]
+        [--checks greedy seeded float32] [--batch-sizes 1 4 16 64] [--new-tokens 64] [--out DIR]
+
+On a host without network or SGLang, scripts/offline_gpu_check.sh runs it from a carried bundle
+(scripts/offline_bundle.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,12 +69,38 @@ def _assets(args: argparse.Namespace) -> tuple[Path, Path]:
     return draft, build_store_for(args.model, args.out / "stdlib.store")
 
 
+def _random_target_like(source: Path, out: Path, seed: int = 0) -> Path:
+    """A model with `source`'s config and tokenizer and random weights, for a GPU host the real weights
+    cannot reach. Embeddings are scaled up so greedy decoding is sharp, not a near-tie every step."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.suffix in (".json", ".txt", ".model", ".jinja") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 1.0 if "embed" in name else 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def _run(
     server: SglangServer, prompts: list[list[int]], params: dict, concurrency: int
 ) -> tuple[list, float]:
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outs = list(pool.map(lambda p: server.generate({"input_ids": p, "sampling_params": params}), prompts))
+        outs = list(
+            pool.map(
+                lambda p: server.generate({"input_ids": p, "sampling_params": params}, timeout=120), prompts
+            )
+        )
     return outs, time.perf_counter() - start
 
 
@@ -90,56 +123,43 @@ def _tau(outs: list[dict]) -> float:
     return sum(values) / len(values) if values else 1.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path)
-    parser.add_argument("--draft")
-    parser.add_argument("--store")
-    parser.add_argument("--eagle3-draft")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--num-draft-tokens", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path("gpu-check"))
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.model is None:
-        from sglang_dart.assets import smollm2_dir
+def _servers_side_by_side(specs: dict[str, list[str]], args: argparse.Namespace) -> dict[str, SglangServer]:
+    """Start the servers at once (a GPU holds them all; each sizes its KV pool from the memory free when
+    it profiles, so --max-total-tokens keeps them from racing for it)."""
+    servers = {
+        name: SglangServer(args.model, extra, args.out / f"{name}.log") for name, extra in specs.items()
+    }
+    try:
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            list(pool.map(lambda s: s.start(timeout=args.start_timeout), servers.values()))
+    except BaseException:
+        _stop(servers)
+        raise
+    return servers
 
-        args.model = smollm2_dir()
-    draft, store = _assets(args)
-    common = [
-        "--dtype",
-        args.dtype,
-        "--random-seed",
-        "0",
-        "--max-running-requests",
-        str(max(args.batch_sizes)),
-    ]
-    dart_args = [
-        "--speculative-algorithm", "DART",
-        "--speculative-draft-model-path", str(draft),
-        "--speculative-ngram-external-corpus-path", str(store),
-        "--speculative-num-draft-tokens", str(args.num_draft_tokens),
-    ]  # fmt: skip
-    report: dict = {"model": str(args.model), "dtype": args.dtype, "draft": str(draft), "store": str(store)}
+
+def _stop(servers: dict[str, SglangServer]) -> None:
+    for server in servers.values():
+        server.stop()
+
+
+def _greedy_and_timings(
+    args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict
+) -> None:
+    """1 + 3: greedy parity and timings, servers side by side (a GPU holds all of them)."""
     greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     prompts = _chat_ids(args.model, max(32, max(args.batch_sizes)))
-
-    # 1 + 3: greedy parity and timings, servers side by side (a GPU holds all of them).
-    servers = {"plain": SglangServer(args.model, common, args.out / "plain.log")}
-    servers["dart"] = SglangServer(args.model, common + dart_args, args.out / "dart.log")
+    specs = {"plain": common, "dart": common + dart_args}
     if args.eagle3_draft:
-        eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.eagle3_draft]
-        servers["eagle3"] = SglangServer(args.model, common + eagle, args.out / "eagle3.log")
+        specs["eagle3"] = common + [
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.eagle3_draft,
+        ]  # fmt: skip
+    servers = _servers_side_by_side(specs, args)
     try:
-        for server in servers.values():
-            server.start()
         outs = {name: _run(s, prompts[:32], greedy, 8)[0] for name, s in servers.items()}
         report["greedy_parity"] = _parity(outs["plain"], outs["dart"])
         report["tau"] = _tau(outs["dart"])
+        _save(args, report)
         timings: dict = {}
         for bs in args.batch_sizes:
             batch = prompts[: max(bs, 8)]
@@ -148,56 +168,165 @@ def main(argv: list[str] | None = None) -> int:
                 _run(server, batch[:bs], greedy, bs)  # warm-up at this batch size (graphs, caches)
                 done, seconds = _run(server, batch, greedy, bs)
                 row[name] = sum(len(o["output_ids"]) for o in done) / seconds
-            timings[bs] = {name: {"tok_s": v, "vs_plain": v / row["plain"]} for name, v in row.items()}
+                if name == "dart":
+                    row["dart_tau"] = _tau(done)
+            timings[bs] = {name: {"tok_s": v, "vs_plain": v / row["plain"]} for name, v in row.items()
+                           if name != "dart_tau"}  # fmt: skip
+            timings[bs]["dart"]["tau"] = row["dart_tau"]
             print(f"batch {bs}: " + ", ".join(f"{n} {v['tok_s']:.1f} tok/s ({v['vs_plain']:.2f}x)"
                                               for n, v in timings[bs].items()), flush=True)  # fmt: skip
-        report["timings"] = timings
+            report["timings"] = timings
+            _save(args, report)
     finally:
-        for server in servers.values():
-            server.stop()
+        _stop(servers)
 
-    # 2: seeded sampling under deterministic inference (a GPU option: SGLang refuses it on CPU backends).
+
+def _float32_parity(args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict) -> None:
+    """Greedy parity in float32, where a near-tie rounding differently between a one-row decode and an
+    N-row verify is rare enough that every output should match. Not a default: on CUDA, SGLang 0.5.17's
+    RMSNorm (sgl_kernel) has no float32 kernel, so plain serving fails there too (seen on an H200)."""
+    f32 = [a if a != args.dtype else "float32" for a in common]
+    greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
+    prompts = _chat_ids(args.model, 32)
+    servers = _servers_side_by_side({"plain-f32": f32, "dart-f32": f32 + dart_args}, args)
+    try:
+        outs = {name: _run(s, prompts, greedy, 8)[0] for name, s in servers.items()}
+        report["float32_greedy_parity"] = _parity(outs["plain-f32"], outs["dart-f32"])
+        report["float32_tau"] = _tau(outs["dart-f32"])
+    finally:
+        _stop(servers)
+
+
+def _seeded_sampling(args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict) -> None:
+    """2: seeded sampling under deterministic inference (a GPU option: SGLang refuses it on CPU backends):
+    a request's sampling_seed draws the same tokens under DART as under plain decoding."""
+    seeded = common + ["--enable-deterministic-inference"]
+    if "--attention-backend" not in seeded:
+        seeded += ["--attention-backend", "flashinfer"]
+    prompts = _chat_ids(args.model, 16)
+    sampled = [
+        {"max_new_tokens": 32, "temperature": 0.8, "top_p": 0.95, "sampling_seed": seed, "ignore_eos": True}
+        for seed in range(16)
+    ]
+    servers = _servers_side_by_side({"plain-seeded": seeded, "dart-seeded": seeded + dart_args}, args)
+    try:
+        runs = {
+            name: [
+                server.generate({"input_ids": p, "sampling_params": s})
+                for p, s in zip(prompts, sampled, strict=True)
+            ]
+            for name, server in servers.items()
+        }
+        report["seeded_sampling_parity"] = _parity(runs["plain-seeded"], runs["dart-seeded"])
+    finally:
+        _stop(servers)
+
+
+def _stage(name: str, report: dict, args: argparse.Namespace, fn, *fn_args) -> bool:  # noqa: ANN001
+    """Run one check; a failure is recorded in the report (with its traceback) and the next check runs."""
+    import traceback
+
+    start = time.perf_counter()
+    try:
+        fn(*fn_args, report)
+        ok = True
+    except Exception:  # noqa: BLE001 - every failure is reported, none stops the other checks
+        report.setdefault("errors", {})[name] = traceback.format_exc()[-4000:]
+        print(f"{name} FAILED:\n{report['errors'][name]}", flush=True)
+        ok = False
+    report.setdefault("stage_seconds", {})[name] = round(time.perf_counter() - start, 1)
+    _save(args, report)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path)
+    parser.add_argument(
+        "--random-target-like",
+        type=Path,
+        help="a model dir: the target takes its config and tokenizer, with random weights",
+    )
+    parser.add_argument("--draft")
+    parser.add_argument("--store")
+    parser.add_argument("--eagle3-draft")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", help="for every server (default: SGLang's; DART's on DART)")
+    parser.add_argument("--server-args", default="", help="more flags for every server, one string")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--checks", nargs="+", default=["greedy", "seeded"],
+                        choices=["greedy", "float32", "seeded"])  # fmt: skip
+    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--out", type=Path, default=Path("gpu-check"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.random_target_like is not None:
+        args.model = _random_target_like(args.random_target_like, args.out / "random-target")
+    elif args.model is None:
+        from sglang_dart.assets import smollm2_dir
+
+        args.model = smollm2_dir()
+    draft, store = _assets(args)
+    common = [
+        "--dtype", args.dtype,
+        "--random-seed", "0",
+        "--max-running-requests", str(max(args.batch_sizes)),
+        *(["--attention-backend", args.attention_backend] if args.attention_backend else []),
+        *shlex.split(args.server_args),
+    ]  # fmt: skip
+    dart_args = [
+        "--speculative-algorithm", "DART",
+        "--speculative-draft-model-path", str(draft),
+        "--speculative-ngram-external-corpus-path", str(store),
+        "--speculative-num-draft-tokens", str(args.num_draft_tokens),
+    ]  # fmt: skip
+    report: dict = {"model": str(args.model), "dtype": args.dtype, "draft": str(draft), "store": str(store),
+                    "server_args": common}  # fmt: skip
+    report.update(_device_facts())
+    _save(args, report)
     import torch
 
-    if not torch.cuda.is_available():
-        report["seeded_sampling_parity"] = "skipped: no CUDA device"
-        return _finish(args, report)
-    seeded = ["--enable-deterministic-inference", "--attention-backend", "flashinfer"]
-    plain = SglangServer(args.model, common + seeded, args.out / "plain-seeded.log")
-    dart = SglangServer(args.model, common + seeded + dart_args, args.out / "dart-seeded.log")
-    try:
-        sampled = [
-            {
-                "max_new_tokens": 32,
-                "temperature": 0.8,
-                "top_p": 0.95,
-                "sampling_seed": seed,
-                "ignore_eos": True,
-            }
-            for seed in range(16)
-        ]
-        runs = {}
-        for name, server in (("plain", plain), ("dart", dart)):
-            server.start()
-            runs[name] = [
-                server.generate({"input_ids": p, "sampling_params": s})
-                for p, s in zip(prompts[:16], sampled, strict=True)
-            ]
-            server.stop()
-        report["seeded_sampling_parity"] = _parity(runs["plain"], runs["dart"])
-    finally:
-        plain.stop()
-        dart.stop()
-
+    checks = {"greedy": _greedy_and_timings, "float32": _float32_parity, "seeded": _seeded_sampling}
+    for name in args.checks:
+        if name == "seeded" and not torch.cuda.is_available():
+            report["seeded_sampling_parity"] = "skipped: no CUDA device"
+            continue
+        _stage(name, report, args, checks[name], args, common, dart_args)
     return _finish(args, report)
 
 
+def _device_facts() -> dict:
+    import torch
+
+    facts = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import sglang
+
+        facts["sglang"] = sglang.__version__
+    except ImportError:
+        pass
+    return facts
+
+
+def _save(args: argparse.Namespace, report: dict) -> None:
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+
+
 def _finish(args: argparse.Namespace, report: dict) -> int:
-    """Write the report; fail when fewer than 80% of greedy outputs equal plain's (bf16 rounding aside,
-    a broken verify path departs in nearly every output)."""
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("greedy_parity", "tau", "seeded_sampling_parity")}, indent=2))
-    parity = report["greedy_parity"]
+    """Write the report; fail when a check failed or fewer than 80% of bf16 greedy outputs equal plain's
+    (bf16 rounding aside, a broken verify path departs in nearly every output)."""
+    _save(args, report)
+    summary = ("greedy_parity", "tau", "float32_greedy_parity", "seeded_sampling_parity", "errors")
+    print(json.dumps({k: report[k] for k in summary if k in report}, indent=2)[:6000])
+    parity = report.get("greedy_parity")
+    if report.get("errors") or parity is None:
+        return 1
     return 0 if parity["identical"] >= 0.8 * parity["of"] else 1
 
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# benchmarks/gpu_check.py on a GPU host that has Python 3.12 and torch but no SGLang and no network (the
+# device machines this project is lent). Carried beside the checkout, in .gpu/ (git-ignored):
+#   .gpu/bundle.tar.xz  scripts/offline_bundle.py's output (SGLang and what the host lacks);
+#   .gpu/smol.tar.xz    a model directory without weights (config, tokenizer): the target gets random weights;
+#   sglang_dart/_core.abi3.so  the Rust extension built here (abi3: any Python >= 3.10).
+# Output: $OUT/gpu_check.json and $OUT/logs.tar.gz (every server's log). Environment knobs: ATTN (attention
+# backend, default triton: no JIT build), SERVER_ARGS, GC_TIMEOUT, START_TIMEOUT, SKIP_SMOKE=1; extra
+# arguments go to gpu_check.py (e.g. --checks greedy).
+set -u
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}
+PY=${PY:-python3}
+mkdir -p "$OUT" && tar -C .gpu -xJf .gpu/smol.tar.xz || exit 3
+if [ ! -d /tmp/site/sglang ]; then mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/bundle.tar.xz || exit 3; fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+echo "python $($PY --version 2>&1), $(nproc) cores, nvcc $(command -v nvcc), unpacked after $(( $(date +%s)-T0 ))s"
+[ -n "${SKIP_SMOKE:-}" ] || $PY - <<'PYEOF' 2>&1 | grep -v "^\[" | tail -20
+import importlib, time
+t = time.time()
+for m in ["torch", "sgl_kernel", "flashinfer", "sglang", "sglang.srt.managers.scheduler",
+          "sglang.srt.layers.attention.triton_backend", "sglang_dart.plugin", "sglang_dart._core"]:
+    try:
+        importlib.import_module(m); print("ok", m)
+    except BaseException as e:
+        print("FAIL", m, type(e).__name__, str(e)[:300])
+print(f"imports {time.time() - t:.1f}s")
+PYEOF
+ATTN=${ATTN:-triton}
+timeout "${GC_TIMEOUT:-420}" $PY benchmarks/gpu_check.py --random-target-like .gpu/smol \
+    ${ATTN:+--attention-backend "$ATTN"} \
+    --server-args "${SERVER_ARGS:---mem-fraction-static 0.2 --max-total-tokens 300000 --cuda-graph-max-bs 64}" \
+    --start-timeout "${START_TIMEOUT:-180}" --out /tmp/gc "$@"
+rc=$?
+cp /tmp/gc/gpu_check.json "$OUT/" 2>/dev/null
+(cd /tmp/gc && tar -czf "$OUT/logs.tar.gz" ./*.log) 2>/dev/null
+echo "gpu_check rc=$rc after $(( $(date +%s)-T0 ))s"
