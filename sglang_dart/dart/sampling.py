@@ -97,6 +97,20 @@ def _without_min_p_tail(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tens
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+# Largest [rows, V] block one draw works on. The torch sampler sorts whole rows (values and int64 indices),
+# takes their cumulative sums and, seeded, their float64 logs: about DRAW_BYTES_PER_ENTRY bytes per
+# vocabulary entry. A verify samples bs x N rows at once (512 rows of a 152k vocabulary: ~3.7 GB), so rows
+# are drawn in blocks; every draw is row-wise, and a seeded one keyed by (seed, position), so a blocked
+# draw is the same draw.
+DRAW_BLOCK_BYTES = 256 << 20
+DRAW_BYTES_PER_ENTRY = 48
+
+
+def draw_block_rows(vocab: int) -> int:
+    """How many rows of a `vocab`-wide distribution one draw takes at a time."""
+    return max(1, DRAW_BLOCK_BYTES // (max(vocab, 1) * DRAW_BYTES_PER_ENTRY))
+
+
 def _draw(
     sampling_info: Any,
     logits: torch.Tensor,
@@ -105,20 +119,47 @@ def _draw(
     rl_on_policy: bool,
 ) -> torch.Tensor:
     """One draw per row of logits [bs * nodes, V] with temperature, top-k, top-p and min-p, seeded as plain
-    decoding seeds it when the batch carries seeds (deterministic inference)."""
-    temperatures = _per_node(sampling_info.temperatures, nodes).view(-1, 1)
-    top_ks = _per_node(sampling_info.top_ks, nodes)
-    top_ps = _per_node(sampling_info.top_ps, nodes)
-    min_ps = _per_node(sampling_info.min_ps, nodes)
-    seeds = _per_node(sampling_info.sampling_seed, nodes)
+    decoding seeds it when the batch carries seeds (deterministic inference); in blocks of rows."""
+    per_row = {
+        "temperatures": _per_node(sampling_info.temperatures, nodes).view(-1, 1),
+        "top_ks": _per_node(sampling_info.top_ks, nodes),
+        "top_ps": _per_node(sampling_info.top_ps, nodes),
+        "min_ps": _per_node(sampling_info.min_ps, nodes),
+        "seeds": _per_node(sampling_info.sampling_seed, nodes),
+    }
+    if per_row["seeds"] is not None:
+        if positions is None:
+            raise ValueError("seeded sampling needs every node's position")
+        per_row["positions"] = positions.view(-1)
+    else:
+        per_row["positions"] = None
+    rows, step = logits.shape[0], draw_block_rows(logits.shape[-1])
+    blocks = []
+    for start in range(0, rows, step):
+        block = slice(start, start + step)
+        sliced = {name: None if x is None else x[block] for name, x in per_row.items()}
+        blocks.append(
+            _draw_rows(sampling_info, logits[block], rl_on_policy, **sliced).to(torch.int64).view(-1)
+        )
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def _draw_rows(
+    sampling_info: Any,
+    logits: torch.Tensor,
+    rl_on_policy: bool,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor | None,
+    positions: torch.Tensor | None,
+) -> torch.Tensor:
     if seeds is None:
         probs = torch.softmax(logits / temperatures, dim=-1)
         return top_k_top_p_min_p_sampling_from_probs_torch(
             probs, top_ks, top_ps, min_ps, sampling_info.need_min_p_sampling, None, None
         )
-    if positions is None:
-        raise ValueError("seeded sampling needs every node's position")
-    positions = positions.view(-1)
     # The branch SGLang's sampler takes for the whole batch: its seeded paths draw differently.
     simple = not (
         sampling_info.need_top_p_sampling
@@ -166,7 +207,7 @@ def sample_tree_nodes(
     # logits so that its (unused) draw cannot fail on an all -inf row.
     logits[~torch.isfinite(logits).any(dim=-1)] = 0.0
     greedy = _per_node(sampling_info.top_ks, nodes).view(-1) <= 1
-    drawn = _draw(sampling_info, logits, nodes, positions, rl_on_policy).to(torch.int64).view(-1)
+    drawn = _draw(sampling_info, logits, nodes, positions, rl_on_policy)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 

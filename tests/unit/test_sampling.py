@@ -11,6 +11,7 @@ import sglang.srt.layers.sampler as sglang_sampler
 import torch
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
+from sglang_dart.dart import sampling as dart_sampling
 from sglang_dart.dart.sampling import (
     apply_custom_processors,
     needs_pinning,
@@ -275,3 +276,71 @@ def test_seeded_min_p_keeps_the_min_p_distribution(seeded_draws: None):
 def test_seeded_sampling_without_positions_is_an_error(seeded_draws: None):
     with pytest.raises(ValueError, match="position"):
         sample_tree_nodes(_seeded_batch([1]), torch.zeros(4, VOCAB), 4)
+
+
+# --- memory: rows are drawn in blocks ------------------------------------------------------------------
+
+
+def _rows_per_block(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    monkeypatch.setattr(dart_sampling, "DRAW_BLOCK_BYTES", rows * VOCAB * dart_sampling.DRAW_BYTES_PER_ENTRY)
+
+
+@pytest.mark.parametrize(
+    ("truncation", "rl_on_policy"),
+    [({}, False), ({"top_k": 8, "top_p": 0.9}, False), ({"min_p": 0.1}, False), ({}, True)],
+    ids=["multinomial", "top-k-top-p", "min-p", "rl-on-policy"],
+)
+def test_seeded_draws_in_blocks_are_the_same_draws(
+    seeded_draws: None, monkeypatch: pytest.MonkeyPatch, truncation: dict, rl_on_policy: bool
+):
+    logits, positions = _tree_rows(PREFIXES, [(1, 2, 3)] * len(PREFIXES))
+    info = _seeded_batch(SEEDS, **truncation)
+    whole = sample_tree_nodes(info, logits, 4, positions=positions, rl_on_policy=rl_on_policy)
+    _rows_per_block(monkeypatch, 3)  # 16 rows: blocks of 3, the last of 1
+    assert dart_sampling.draw_block_rows(VOCAB) == 3
+    blocked = sample_tree_nodes(info, logits, 4, positions=positions, rl_on_policy=rl_on_policy)
+    assert blocked.tolist() == whole.tolist()
+
+
+def test_unseeded_draws_in_blocks_keep_the_distribution(monkeypatch: pytest.MonkeyPatch):
+    draws = 3000
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0] + [-4.0] * (VOCAB - 4))
+    info = _seeded_batch([0] * draws, top_p=0.9)
+    info.sampling_seed = None
+    info.temperatures = torch.ones(draws, 1)
+    _rows_per_block(monkeypatch, 7)
+    samples = sample_tree_nodes(info, logits.repeat(draws, 1), 1)
+    probs = torch.softmax(logits, dim=-1)
+    kept = torch.where(torch.cumsum(probs, 0) - probs <= 0.9, probs, torch.zeros_like(probs))
+    frequencies = torch.bincount(samples, minlength=VOCAB).double() / draws
+    assert frequencies[kept == 0].sum() == 0
+    assert torch.allclose(frequencies, (kept / kept.sum()).double(), atol=0.04)  # > 4 sd at n = 3000
+
+
+def test_no_draw_takes_more_than_its_block(seeded_draws: None, monkeypatch: pytest.MonkeyPatch):
+    """Sorting, cumulative sums and float64 logs of whole [bs * N, V] rows would take ~48 bytes per entry;
+    nothing but the logits' own float32 copy is that large when rows are drawn in blocks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestTensor(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    LargestTensor.largest = max(LargestTensor.largest, t.numel() * t.element_size())
+            return out
+
+    logits, positions = _tree_rows(PREFIXES * 4, [(1, 2, 3)] * len(PREFIXES) * 4)  # 64 rows
+    info = _seeded_batch(SEEDS * 4, top_k=8, top_p=0.9)
+    logits_copy = logits.numel() * 4
+    _rows_per_block(monkeypatch, 4)
+    with LargestTensor():
+        sample_tree_nodes(info, logits, 4, positions=positions)
+    assert LargestTensor.largest <= logits_copy
+    _rows_per_block(monkeypatch, 64)  # one block: the whole rows' sort indices and float64 logs
+    LargestTensor.largest = 0
+    with LargestTensor():
+        sample_tree_nodes(info, logits, 4, positions=positions)
+    assert LargestTensor.largest > logits_copy
