@@ -7,7 +7,8 @@
 {"messages": [{"role", "content"}, ...]} or a ShareGPT {"conversations": [{"from", "value"}, ...]} (chat rows
 through the target's chat template; see `conversations.py`). `python -m sglang_dart.train.generate`
 makes one by letting the target answer synthetic chat prompts. The result is a
-checkpoint in the published layout for `--speculative-draft-model-path`.
+checkpoint in the published layout for `--speculative-draft-model-path`, with `train_report.json` beside it
+(steps, time, and tau estimated on the `--holdout` share of the sequences, kept out of training).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from sglang_dart.drafter import load_drafter
 from sglang_dart.train import conversations
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
+from sglang_dart.train.estimate import estimate_acceptance, split_holdout
 from sglang_dart.train.features import collect_features, load_target
 from sglang_dart.train.trainer import TrainSettings, train
 from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
@@ -65,6 +67,12 @@ def make_parser() -> argparse.ArgumentParser:
         "faster on CPUs without bf16 instructions, at the price of rare argmax ties going the other way)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--holdout",
+        type=float,
+        default=0.05,
+        help="share of the sequences kept out of training to estimate tau on at the end (0: none)",
+    )
     p.add_argument("--init", type=Path, default=None, help="draft checkpoint to continue training from")
     return p
 
@@ -85,8 +93,12 @@ def main(argv: list[str] | None = None) -> None:
             f"({target.config.vocab_size}): was it tokenized for another model?"
         )
     started = time.monotonic()
-    feats = collect_features(target, sequences)
-    print(f"features of {len(feats)} sequences in {time.monotonic() - started:.0f}s", flush=True)
+    feats, held_out = split_holdout(collect_features(target, sequences), args.holdout, args.seed)
+    print(
+        f"features of {len(feats) + len(held_out)} sequences in {time.monotonic() - started:.0f}s "
+        f"({len(held_out)} held out)",
+        flush=True,
+    )
     target_config = target.config.to_dict()
     vocab_size = target.config.vocab_size
     embed = target.get_input_embeddings().weight.detach()
@@ -111,9 +123,25 @@ def main(argv: list[str] | None = None) -> None:
         bf16_autocast=not args.no_bf16,
         seed=args.seed,
     )
+    trained_from = time.monotonic()
     losses = train(model, feats, vocab, settings, log=lambda s: print(s, flush=True))
+    seconds = time.monotonic() - trained_from
     save_drafter(model, config, vocab, args.out)
-    print(f"trained {len(losses)} steps; final loss {losses[-1]:.3f}; saved {args.out}")
+    print(f"trained {len(losses)} steps in {seconds:.0f}s; final loss {losses[-1]:.3f}; saved {args.out}")
+    estimate = estimate_acceptance(model, held_out, vocab, bf16_autocast=not args.no_bf16, seed=args.seed)
+    if estimate is not None:
+        print(estimate.describe(), flush=True)
+    report = {
+        "steps": len(losses),
+        "seconds": round(seconds, 1),
+        "final_loss": losses[-1],
+        "train_sequences": len(feats),
+        "held_out_sequences": len(held_out),
+        "held_out": None if estimate is None else estimate.__dict__,
+        "data": str(args.data),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class TrainSettings:
     bf16_autocast: bool = True
     seed: int = 0
     log_every: int = 25
+    progress_bar: bool | None = None  # a live line on a terminal (None: when stderr is one)
 
 
 @dataclass
@@ -89,6 +91,28 @@ def sequence_loss(
     return SequenceLoss(torch.stack(weighted).sum() / sum(weights), stats)
 
 
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def progress_line(
+    step: int, settings: TrainSettings, elapsed: float, loss: float, accuracy: list[float]
+) -> str:
+    """`step 120/2000 loss 2.314 top-1 by row [0.61 0.32 ...] 45s, ETA 11m50s`: the ETA is whichever budget
+    (steps or time) runs out first, at the rate so far."""
+    remaining = (settings.max_steps - step) * elapsed / max(step, 1)
+    if math.isfinite(settings.max_seconds):
+        remaining = min(remaining, settings.max_seconds - elapsed)
+    acc = " ".join(f"{a:.2f}" for a in accuracy)
+    return (
+        f"step {step}/{settings.max_steps} loss {loss:.3f} top-1 by row [{acc}] "
+        f"{_duration(elapsed)}, ETA {_duration(remaining)}"
+    )
+
+
 def sample_anchors(num_real: int, count: int, rng: random.Random) -> torch.Tensor:
     count = min(count, num_real)
     return torch.tensor(sorted(rng.sample(range(num_real), count)), dtype=torch.long)
@@ -120,6 +144,9 @@ def train(
     order: list[int] = []
     losses: list[float] = []
     window = RowStats()
+    bar = RowStats()  # the live line's window: the last 20 steps
+    live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
+    shown = 0.0
     start = time.monotonic()
     model.train()
     for step in range(settings.max_steps):
@@ -147,15 +174,26 @@ def train(
             step_loss += float(result.loss.detach()) / settings.sequences_per_step
             for row, (c, t) in enumerate(zip(result.stats.correct, result.stats.total, strict=True)):
                 window.add(row, int(c), int(t))
+                bar.add(row, int(c), int(t))
         nn.utils.clip_grad_norm_(params, settings.grad_clip)
         optimizer.step()
         losses.append(step_loss)
+        elapsed = time.monotonic() - start
+        if live and (elapsed - shown >= 0.5 or step + 1 == settings.max_steps):
+            recent = losses[-20:]
+            line = progress_line(step + 1, settings, elapsed, sum(recent) / len(recent), bar.accuracy())
+            sys.stderr.write(f"\r\033[K{line}")
+            sys.stderr.flush()
+            shown = elapsed
+            if (step + 1) % 20 == 0:
+                bar = RowStats()
         if settings.log_every and (step + 1) % settings.log_every == 0:
-            acc = " ".join(f"{a:.2f}" for a in window.accuracy())
-            log(
-                f"step {step + 1} loss {sum(losses[-settings.log_every :]) / settings.log_every:.3f} "
-                f"top-1 by row [{acc}] {time.monotonic() - start:.0f}s"
-            )
+            if live:
+                sys.stderr.write("\r\033[K")
+            mean = sum(losses[-settings.log_every :]) / settings.log_every
+            log(progress_line(step + 1, settings, elapsed, mean, window.accuracy()))
             window = RowStats()
+    if live:
+        sys.stderr.write("\n")
     model.eval()
     return losses

@@ -12,8 +12,9 @@ import torch
 from sglang_dart.drafter import load_drafter
 from sglang_dart.train.blocks import block_attention_mask, block_logits
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
+from sglang_dart.train.estimate import _leading_hits, estimate_acceptance, split_holdout
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import TrainSettings, sequence_loss, train
+from sglang_dart.train.trainer import TrainSettings, progress_line, sequence_loss, train
 from sglang_dart.train.vocab import most_frequent_vocab
 
 TARGET = {
@@ -69,12 +70,17 @@ def test_training_forward_equals_serving_forward(seed):
             torch.testing.assert_close(out.masks[a], serving[1:], rtol=1e-4, atol=1e-4)
 
 
-def _copy_task(count: int, length: int, seed: int) -> list[SequenceFeatures]:
+def _copy_task(
+    count: int, length: int, seed: int, sequence_seed: int | None = None
+) -> list[SequenceFeatures]:
     """A target whose next token is a fixed function of the current one, exposed in the taps: a drafter
-    can learn every row of it, so the loss must fall."""
+    can learn every row of it, so the loss must fall. `seed` fixes the target; `sequence_seed`, when given,
+    draws other sequences of the same target (held-out data)."""
     gen = torch.Generator().manual_seed(seed)
     table = torch.randn(50, 96, generator=gen)
     successor = torch.randperm(50, generator=gen)
+    if sequence_seed is not None:
+        gen = torch.Generator().manual_seed(sequence_seed)
     feats = []
     for _ in range(count):
         ids = [int(torch.randint(0, 50, (1,), generator=gen))]
@@ -134,3 +140,65 @@ def test_degenerate_data_fails_clearly_or_contributes_nothing():
     feats = SequenceFeatures(torch.tensor([1, 2, 3, 4]), torch.zeros(4, 96), torch.full((4,), outside))
     result = sequence_loss(model, feats, vocab, torch.tensor([0, 1]), 0.8)
     assert float(result.loss.detach()) == 0.0 and result.stats.total == []
+
+
+# --- held-out estimate and progress --------------------------------------------------------------------
+
+
+def test_holdout_split_is_seeded_and_spares_tiny_data():
+    data = _copy_task(count=40, length=8, seed=1)
+    train_a, held_a = split_holdout(data, 0.1, seed=5)
+    train_b, held_b = split_holdout(data, 0.1, seed=5)
+    assert len(held_a) == 4 and len(train_a) == 36
+    assert [id(f) for f in held_a] == [id(f) for f in held_b] and {id(f) for f in train_a}.isdisjoint(
+        id(f) for f in held_a
+    )
+    assert split_holdout(data[:9], 0.5) == (data[:9], [])  # fewer than 10 sequences: all train
+    assert split_holdout(data, 0.0) == (data, [])
+
+
+def test_leading_hits_count_the_accepted_prefix():
+    hits = torch.tensor([[True, True, False, True], [False, True, True, True], [True, True, True, True]])
+    assert _leading_hits(hits).tolist() == [2, 0, 4]
+
+
+def test_acceptance_estimate_of_a_trained_and_an_untrained_drafter():
+    """A drafter trained on the copy task predicts most rows of unseen sequences: tau near its d + 2
+    (d + 1 rows and the target's own token); an untrained one's chain stops at once (tau near 1)."""
+    held_out = _copy_task(count=6, length=24, seed=3, sequence_seed=9)
+    model, _, vocab = _drafter()
+    untrained = estimate_acceptance(model, held_out, vocab, k=4, bf16_autocast=False)
+    settings = TrainSettings(
+        anchors_per_sequence=8, sequences_per_step=2, max_steps=150, warmup_steps=10,
+        learning_rate=3e-3, bf16_autocast=False, log_every=0, progress_bar=False,
+    )  # fmt: skip
+    train(model, _copy_task(count=16, length=24, seed=3), vocab, settings, log=lambda _: None)
+    trained = estimate_acceptance(model, held_out, vocab, k=4, bf16_autocast=False)
+    assert trained.sequences == 6 and trained.anchors == 6 * (24 - (D + 1))
+    assert trained.tau_chain > D + 0.5 and min(trained.top1_by_row) > 0.7, trained
+    assert untrained.tau_chain < 1.5 < trained.tau_chain
+    for estimate in (trained, untrained):
+        assert 1.0 <= estimate.tau_chain <= estimate.tau_topk_bound <= D + 2
+    assert "estimated tau" in trained.describe()
+    assert estimate_acceptance(model, _copy_task(count=2, length=D + 1, seed=4), vocab) is None
+
+
+def test_progress_line_eta_is_the_budget_that_ends_first():
+    by_steps = TrainSettings(max_steps=1000)
+    line = progress_line(100, by_steps, elapsed=50.0, loss=2.5, accuracy=[0.5, 0.25])
+    assert line == "step 100/1000 loss 2.500 top-1 by row [0.50 0.25] 50s, ETA 7m30s"
+    by_time = TrainSettings(max_steps=1000, max_seconds=120.0)
+    assert progress_line(100, by_time, elapsed=50.0, loss=2.5, accuracy=[]).endswith("50s, ETA 1m10s")
+
+
+def test_training_logs_progress_lines(capsys):
+    model, _, vocab = _drafter()
+    lines: list[str] = []
+    settings = TrainSettings(
+        anchors_per_sequence=4, sequences_per_step=1, max_steps=6, warmup_steps=1, bf16_autocast=False,
+        log_every=3, progress_bar=True,
+    )  # fmt: skip
+    train(model, _copy_task(count=4, length=12, seed=2), vocab, settings, log=lines.append)
+    assert [line.split(" loss")[0] for line in lines] == ["step 3/6", "step 6/6"]
+    assert all("ETA" in line and "top-1 by row" in line for line in lines)
+    assert "step 6/6" in capsys.readouterr().err  # the live line, on stderr

@@ -1,0 +1,124 @@
+"""What a drafter would accept, estimated offline on sequences it was not trained on.
+
+For an anchor p (the last verified position) the drafter's rows predict the target's greedy tokens at
+p+1, p+2, ...; greedy verification of a chain (the top-1 token of every row) accepts the leading rows that
+are right, plus the target's own next token: tau_chain = 1 + (number of leading rows right). With the k
+best tokens of each row in the tree, a row counts while the target's token is among its k best: an upper
+bound on what a tree of k per depth could accept (the pruner keeps <= 60 of those paths, so real trees sit
+between the two). Both are means over every anchor of the held-out sequences.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from sglang_dart.drafter.model import DartDrafter
+from sglang_dart.train.blocks import block_logits
+from sglang_dart.train.features import SequenceFeatures
+from sglang_dart.train.vocab import DraftVocab
+
+
+@dataclass(frozen=True)
+class AcceptEstimate:
+    sequences: int
+    anchors: int
+    top1_by_row: list[float]  # accuracy of each draft row (row 0: the token after the root)
+    tau_chain: float  # mean tokens per step verifying the top-1 chain
+    tau_topk_bound: float  # mean tokens per step if each depth offered its k best tokens
+    k: int
+
+    def describe(self) -> str:
+        rows = " ".join(f"{a:.2f}" for a in self.top1_by_row)
+        return (
+            f"held-out {self.sequences} sequences, {self.anchors} anchors: top-1 by row [{rows}]; "
+            f"estimated tau {self.tau_chain:.2f} (top-1 chain), at most {self.tau_topk_bound:.2f} "
+            f"(top-{self.k} per depth)"
+        )
+
+
+def split_holdout(
+    data: list[SequenceFeatures], fraction: float, seed: int = 0
+) -> tuple[list[SequenceFeatures], list[SequenceFeatures]]:
+    """(train, held out): a seeded share of the sequences, at least one when there are 10 or more and the
+    fraction is positive, none otherwise (a tiny data set is all needed for training)."""
+    if fraction <= 0 or len(data) < 10:
+        return list(data), []
+    count = max(1, int(len(data) * fraction))
+    order = list(range(len(data)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:count])
+    return [f for i, f in enumerate(data) if i not in held], [f for i, f in enumerate(data) if i in held]
+
+
+def _leading_hits(hits: torch.Tensor) -> torch.Tensor:
+    """[A, rows] bool -> [A] number of leading True per row."""
+    return hits.int().cumprod(dim=1).sum(dim=1)
+
+
+@torch.no_grad()
+def estimate_acceptance(
+    model: DartDrafter,
+    data: list[SequenceFeatures],
+    vocab: DraftVocab,
+    k: int = 8,
+    max_anchors_per_sequence: int = 64,
+    bf16_autocast: bool = True,
+    seed: int = 0,
+) -> AcceptEstimate | None:
+    """None when no held-out sequence has an anchor."""
+    was_training = model.training
+    model.eval()
+    rng = random.Random(seed)
+    d = model.cfg.draft_length
+    correct, valid = torch.zeros(d + 1), torch.zeros(d + 1)
+    counted = 0
+    chain_total, bound_total, sequences = 0.0, 0.0, 0
+    try:
+        for feats in data:
+            num_real = feats.input_ids.shape[0] - 1
+            # Anchors whose d + 1 rows all have a label (the window ends inside the sequence): a run cut
+            # short by the sequence's end would count as a miss.
+            candidates = [p for p in range(num_real) if p + 1 + d < feats.labels.shape[0]]
+            if not candidates:
+                continue
+            picked = sorted(rng.sample(candidates, min(len(candidates), max_anchors_per_sequence)))
+            anchors = torch.tensor(picked, dtype=torch.long)
+            autocast = (
+                torch.autocast("cpu", dtype=torch.bfloat16)
+                if bf16_autocast and feats.taps.device.type == "cpu"
+                else nullcontext()
+            )
+            with autocast:
+                out = block_logits(
+                    model, feats.taps[:num_real].to(model.fc.weight.dtype), feats.input_ids[1:], anchors
+                )
+            rows = torch.cat([out.real[anchors].unsqueeze(1), out.masks], dim=1).float()  # [A, d + 1, Vd]
+            label_index = anchors.unsqueeze(1) + 1 + torch.arange(d + 1)  # row j: the token at p + 1 + j
+            inside = label_index < feats.labels.shape[0]
+            labels = vocab.to_draft(feats.labels[label_index.clamp(max=feats.labels.shape[0] - 1)])
+            labels = torch.where(inside, labels, -100)  # past the end, or outside the draft vocabulary
+            top1 = (rows.argmax(dim=-1) == labels) & (labels >= 0)
+            in_topk = (rows.topk(min(k, rows.shape[-1]), dim=-1).indices == labels.unsqueeze(-1)).any(-1)
+            in_topk &= labels >= 0
+            correct += top1.float().sum(dim=0)
+            valid += inside.float().sum(dim=0)
+            counted += anchors.shape[0]
+            chain_total += float((1 + _leading_hits(top1)).sum())
+            bound_total += float((1 + _leading_hits(in_topk)).sum())
+            sequences += 1
+    finally:
+        model.train(was_training)
+    if not counted:
+        return None
+    return AcceptEstimate(
+        sequences=sequences,
+        anchors=counted,
+        top1_by_row=(correct / valid.clamp(min=1)).tolist(),
+        tau_chain=chain_total / counted,
+        tau_topk_bound=bound_total / counted,
+        k=k,
+    )
