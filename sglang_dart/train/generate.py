@@ -1,6 +1,6 @@
 """Regenerate training conversations with the target itself, through a real SGLang server.
 
-    python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts N]
+    python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts N] [--magpie M]
         [--max-new-tokens 256] [--concurrency 16] [--dtype auto] [--exclude-file PROMPTS.txt]
         [--temperature 0.0] [--samples-per-prompt 1]
 
@@ -9,6 +9,11 @@ prompt followed by the target's answer (greedy by default). A drafter trained on
 learns what the verifier will accept; `text` feeds `python -m sglang_dart.ngram build` for the 3-gram store.
 Sampled answers (`--temperature > 0`, several per prompt) add variety from a fixed prompt list: the trainer
 labels every position with the target's argmax anyway, so sampling changes the contexts, not the targets.
+`--magpie M` adds M user prompts the target writes itself (`magpie.py`), mixed with the pool's.
+
+The prompt list is saved first (`OUT.prompts.json`) and rows are appended to `OUT.partial` as they come;
+a run started again with the same OUT after an interruption reuses that list and answers only what is
+missing, so a long generation can span sessions.
 """
 
 from __future__ import annotations
@@ -17,13 +22,18 @@ import argparse
 import json
 import signal
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import Any
 
+from sglang_dart.train import magpie
 from sglang_dart.train.conversations import read_prompts, templated_ids
 from sglang_dart.train.prompts import training_prompts
+
+Prompt = str | list[dict[str, str]]
 
 
 def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
@@ -32,21 +42,11 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
     return templated_ids(tokenizer, messages, add_generation_prompt=True)
 
 
-def generate(
-    target: Path,
-    prompts: list[str] | list[list[dict[str, str]]],
-    max_new_tokens: int,
-    concurrency: int,
-    log_dir: Path,
-    dtype: str = "auto",
-    temperature: float = 0.0,
-) -> Iterator[dict]:
-    """Yield one row per prompt, in prompt order, as soon as it and every row before it are answered."""
-    from transformers import AutoTokenizer
-
+@contextmanager
+def target_server(target: Path, concurrency: int, log_dir: Path, dtype: str = "auto") -> Iterator[Any]:
+    """A running SGLang server for the target (its log in log_dir), stopped on the way out."""
     from sglang_dart.server_process import SglangServer
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
     server = SglangServer(
         target,
         ["--max-running-requests", str(concurrency), "--dtype", dtype],
@@ -54,26 +54,67 @@ def generate(
     )
     try:  # started inside the try: a SIGTERM while it boots must stop it too
         server.start()
-        params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
-
-        def one(prompt: str | list[dict[str, str]]) -> dict:
-            ids = chat_prompt_ids(tokenizer, prompt)
-            out = server.generate({"input_ids": ids, "sampling_params": params}, timeout=3600)
-            full = ids + [int(t) for t in out["output_ids"]]
-            return {
-                "prompt": prompt if isinstance(prompt, str) else prompt[-1]["content"],
-                "input_ids": full,
-                "prompt_len": len(ids),
-                "text": tokenizer.decode(full),
-            }
-
-        pool = ThreadPoolExecutor(max_workers=concurrency)
-        try:
-            yield from pool.map(one, prompts)
-        finally:  # an interrupted run stops now: queued prompts are dropped, the server stop ends the rest
-            pool.shutdown(wait=False, cancel_futures=True)
+        yield server
     finally:
         server.stop()
+
+
+def answers(
+    server: Any,
+    tokenizer: Any,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    concurrency: int,
+    temperature: float = 0.0,
+) -> Iterator[dict]:
+    """Yield one row per prompt, in prompt order, as soon as it and every row before it are answered."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+
+    def one(prompt: Prompt) -> dict:
+        ids = chat_prompt_ids(tokenizer, prompt)
+        out = server.generate({"input_ids": ids, "sampling_params": params}, timeout=3600)
+        full = ids + [int(t) for t in out["output_ids"]]
+        return {
+            "prompt": prompt if isinstance(prompt, str) else prompt[-1]["content"],
+            "input_ids": full,
+            "prompt_len": len(ids),
+            "text": tokenizer.decode(full),
+        }
+
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
+        yield from pool.map(one, prompts)
+    finally:  # an interrupted run stops now: queued prompts are dropped, the server stop ends the rest
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _prompt_key(prompt: Prompt) -> str:
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
+def unanswered(prompts: list[Prompt], rows: list[dict]) -> list[Prompt]:
+    """The prompts still to answer when `rows` are done: each answered row takes one occurrence of its
+    prompt off the list (a prompt answered several times is listed that many times)."""
+    done = Counter(row["prompt"] for row in rows)
+    left = []
+    for prompt in prompts:
+        key = _prompt_key(prompt)
+        if done[key]:
+            done[key] -= 1
+        else:
+            left.append(prompt)
+    return left
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The complete rows of a partial output (a line cut off by a kill is dropped)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,59 +138,94 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--exclude-file", type=Path, default=None, help="prompts (one per line) to keep out")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     p.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (with sampling)")
+    p.add_argument(
+        "--magpie", type=int, default=0, help="add this many user prompts written by the target itself"
+    )
     args = p.parse_args(argv)
     if args.temperature < 0 or args.samples_per_prompt < 1:
         p.error("--temperature must be >= 0 and --samples-per-prompt >= 1")
+    if args.magpie < 0:
+        p.error("--magpie must be >= 0")
     if args.samples_per_prompt > 1 and args.temperature == 0:
         p.error("--samples-per-prompt > 1 needs --temperature > 0 (greedy answers would repeat)")
     exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
-    if args.prompts is not None:
-        try:
-            turns, skipped = read_prompts(args.prompts)
-        except (OSError, ValueError) as exc:
-            p.error(str(exc))
-        turns = [t for t in turns if t[-1]["content"] not in exclude]
-        if skipped:
-            print(f"{args.prompts}: skipped {sum(skipped.values())} rows ({dict(skipped)})", file=sys.stderr)
-        if not turns:
-            p.error(f"{args.prompts} holds no prompts")
-        prompts = turns[: args.num_prompts]
-    else:
-        prompts = training_prompts(args.num_prompts, seed=args.seed, exclude=exclude)
-    prompts = prompts * args.samples_per_prompt
-    # Rows go to a side file as they arrive, so an interrupted run keeps what it generated; the output
-    # path only ever holds a complete run.
     args.out.parent.mkdir(parents=True, exist_ok=True)
     partial = args.out.with_name(args.out.name + ".partial")
+    prompt_file = args.out.with_name(args.out.name + ".prompts.json")
+    resume = partial.exists() and prompt_file.exists()
+    if resume:
+        prompts = json.loads(prompt_file.read_text())
+        done = _read_rows(partial)
+        partial.write_text("".join(json.dumps(row) + "\n" for row in done))  # without a cut-off line
+        print(f"resuming: {len(done)} of {len(prompts)} conversations already in {partial}", file=sys.stderr)
+    else:
+        prompts, done = _fixed_prompts(p, args, exclude), []
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
     count = tokens = 0
     # The server runs in its own session; a plain SIGTERM would end this process and leave it running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    try:
-        with partial.open("w") as f:
-            answers = generate(
-                args.target,
-                prompts,
-                args.max_new_tokens,
-                args.concurrency,
-                args.out.parent,  # the server's log stays beside the data: a failed run keeps its cause
-                args.dtype,
-                args.temperature,
+    # The server's log stays beside the data: a failed run keeps its cause.
+    with target_server(args.target, args.concurrency, args.out.parent, args.dtype) as server:
+        if not resume:
+            if args.magpie:
+                written, skipped = magpie.sample_prompts(
+                    server, tokenizer, args.magpie, exclude | set(map(_prompt_key, prompts)),
+                    concurrency=args.concurrency,
+                )  # fmt: skip
+                print(
+                    f"magpie: {len(written)} prompts written by the target (skipped: {dict(skipped)})",
+                    file=sys.stderr,
+                )
+                prompts = prompts + written
+            prompts = prompts * args.samples_per_prompt
+            prompt_file.write_text(json.dumps(prompts))
+            partial.write_text("")
+        todo = unanswered(prompts, done)
+        try:
+            with partial.open("a") as f:
+                rows = answers(
+                    server, tokenizer, todo, args.max_new_tokens, args.concurrency, args.temperature
+                )
+                with closing(rows):  # on any error the server stops here
+                    for row in rows:
+                        f.write(json.dumps(row) + "\n")
+                        f.flush()
+                        count += 1
+                        tokens += len(row["input_ids"]) - row["prompt_len"]
+        except BaseException:
+            print(
+                f"stopped after {len(done) + count} of {len(prompts)} conversations; they are in {partial} "
+                f"(run the same command again to go on); the server's log is "
+                f"{args.out.parent / 'generate-server.log'}",
+                file=sys.stderr,
             )
-            with closing(answers) as rows:  # on any error the server stops here
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
-                    count += 1
-                    tokens += len(row["input_ids"]) - row["prompt_len"]
-    except BaseException:
-        print(
-            f"stopped after {count} of {len(prompts)} conversations; they are in {partial}; "
-            f"the server's log is {args.out.parent / 'generate-server.log'}",
-            file=sys.stderr,
-        )
-        raise
+            raise
     partial.replace(args.out)
-    print(f"wrote {count} conversations ({tokens} generated tokens) to {args.out}")
+    print(f"wrote {len(done) + count} conversations ({tokens} generated tokens this run) to {args.out}")
+
+
+def _fixed_prompts(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, exclude: set[str]
+) -> list[Prompt]:
+    """The prompts given (--prompts) or the built-in pool's, before Magpie's are added."""
+    if args.prompts is None:
+        return (
+            training_prompts(args.num_prompts, seed=args.seed, exclude=exclude)
+            if args.num_prompts != 0
+            else []
+        )
+    try:
+        turns, skipped = read_prompts(args.prompts)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    turns = [t for t in turns if t[-1]["content"] not in exclude]
+    if skipped:
+        print(f"{args.prompts}: skipped {sum(skipped.values())} rows ({dict(skipped)})", file=sys.stderr)
+    if not turns:
+        parser.error(f"{args.prompts} holds no prompts")
+    return turns[: args.num_prompts]
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ from tests.support.dart_assets import build_random_drafter, build_store_for
 pytestmark = pytest.mark.server
 
 
-def _run(module: str, *args: str) -> None:
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def _serve(target: Path, draft: Path, store: Path, log: Path, prompts: list[list[int]]) -> list[dict]:
@@ -130,6 +131,35 @@ def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp
     while _server_pids() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _server_pids() - before, "the generate server outlived its command"
+
+
+def test_generate_with_magpie_prompts_resumes_where_it_stopped(tiny_qwen3_dir, tmp_path):
+    """`--magpie`: user turns sampled from the target join the pool's prompts; the prompt list is saved,
+    and a run started again after an interruption answers only what its partial output lacks."""
+    out = tmp_path / "data.jsonl"
+    cmd = (
+        "--target", str(tiny_qwen3_dir), "--out", str(out), "--num-prompts", "5", "--magpie", "4",
+        "--max-new-tokens", "8", "--concurrency", "4", "--dtype", "float32",
+    )  # fmt: skip
+    first = _run("sglang_dart.train.generate", *cmd)
+    assert "magpie: " in first.stderr and "prompts written by the target" in first.stderr, first.stderr
+    prompts = json.loads((tmp_path / "data.jsonl.prompts.json").read_text())
+    written = prompts[5:]  # after the pool's: the target's own (a random tiny model ends few of its turns)
+    assert len(written) <= 4 and len(set(prompts)) == len(prompts)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+
+    # As a killed run leaves it: three rows in OUT.partial, a cut-off line after them, no OUT.
+    (tmp_path / "data.jsonl.partial").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows[:3]) + '{"prompt": "cut'
+    )
+    out.unlink()
+    second = _run("sglang_dart.train.generate", *cmd)
+    assert f"resuming: 3 of {len(prompts)}" in second.stderr, second.stderr
+    assert "written by the target" not in second.stderr  # the saved list is answered, no new one sampled
+    resumed = [json.loads(line) for line in out.read_text().splitlines()]
+    assert resumed[:3] == rows[:3] and sorted(r["prompt"] for r in resumed) == sorted(prompts)
+    assert f"wrote {len(prompts)} conversations" in second.stdout
 
 
 def test_generate_answers_chat_files_after_their_last_user_turn(tiny_qwen3_dir, tmp_path):

@@ -1,0 +1,104 @@
+"""User prompts written by the target itself (the "Magpie" recipe): its chat template up to where a user's
+message begins, sampled at a high temperature, is a user turn the model finds likely. With no dataset on
+the machine, this gives the variety of prompts a drafter meets in service better than any fixed list.
+
+Every prompt is cleaned and filtered before use: empty, too short, overlong (cut by the token budget),
+degenerate (one token or word repeated), holding template markup, excluded (benchmark prompts) or a
+duplicate of an earlier one (case and spacing aside) is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+from sglang_dart.train.conversations import templated_ids
+
+_SENTINEL = "\u2063MAGPIE\u2063"  # no chat template produces this text itself
+MIN_WORDS = 3
+
+
+def user_turn_prefix(tokenizer: Any) -> list[int]:
+    """The token ids a chat starts with, up to where the first user message's text goes (a default system
+    prompt included). Raises ValueError for a template that does not place the message after a prefix."""
+    ids = templated_ids(tokenizer, [{"role": "user", "content": _SENTINEL}])
+    text = tokenizer.decode(ids)
+    at = text.find(_SENTINEL)
+    if at <= 0:
+        raise ValueError("the tokenizer's chat template does not start a user turn with fixed text")
+    prefix = tokenizer(text[:at], add_special_tokens=False)["input_ids"]
+    if not prefix:
+        raise ValueError("the tokenizer's chat template has an empty user-turn prefix")
+    return [int(i) for i in prefix]
+
+
+def normalized(prompt: str) -> str:
+    return " ".join(prompt.lower().split())
+
+
+def rejection(prompt: str, finished: bool, markers: tuple[str, ...]) -> str | None:
+    """Why a sampled user turn is not kept as a prompt (a reason for the counts), or None to keep it."""
+    text = prompt.strip()
+    if not text:
+        return "empty"
+    if not finished:
+        return "overlong"
+    if any(marker in text for marker in markers):
+        return "template markup"
+    words = text.split()
+    if len(words) < MIN_WORDS:
+        return "too short"
+    if len(words) >= 8 and len({w.lower() for w in words}) < 0.4 * len(words):
+        return "degenerate"
+    if re.search(r"(.)\1{9,}", text) or re.search(r"(\b\S+\b)(\s+\1\b){4,}", text):
+        return "degenerate"
+    return None
+
+
+def sample_prompts(
+    server: Any,
+    tokenizer: Any,
+    count: int,
+    exclude: set[str] | None = None,
+    temperature: float = 1.0,
+    top_p: float = 0.99,
+    max_new_tokens: int = 96,
+    concurrency: int = 16,
+    max_rounds: int = 8,
+) -> tuple[list[str], Counter]:
+    """Up to `count` distinct prompts sampled from the target through `server` (a running SGLang server);
+    rounds of requests continue until there are enough or `max_rounds` rounds have run. Returns the
+    prompts and the counts of what was skipped, by reason."""
+    prefix = user_turn_prefix(tokenizer)
+    markers = tuple(t for t in tokenizer.all_special_tokens if t and len(t) > 1)
+    excluded = {normalized(p) for p in exclude or ()}
+    seen: set[str] = set()
+    kept: list[str] = []
+    skipped: Counter = Counter()
+    for _ in range(max_rounds):
+        wanted = count - len(kept)
+        if wanted <= 0:
+            break
+        batch = max(wanted + wanted // 2, 4)  # extra: some are filtered out
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+        for out in server.generate_many([prefix] * batch, params, concurrency):
+            text = (
+                out["text"]
+                if "text" in out
+                else tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+            )
+            finished = (out.get("meta_info", {}).get("finish_reason") or {}).get("type") == "stop"
+            reason = rejection(text, finished, markers)
+            key = normalized(text)
+            if reason is None and key in excluded:
+                reason = "excluded"
+            if reason is None and key in seen:
+                reason = "duplicate"
+            if reason is not None:
+                skipped[reason] += 1
+                continue
+            seen.add(key)
+            if len(kept) < count:
+                kept.append(text.strip())
+    return kept, skipped

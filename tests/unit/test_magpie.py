@@ -1,0 +1,93 @@
+"""Magpie prompts: the user-turn prefix comes from the tokenizer's own chat template, and sampled turns
+are filtered (empty, unfinished, markup, short, degenerate, excluded, duplicate) and counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sglang_dart.train.magpie import rejection, sample_prompts, user_turn_prefix
+from tests.support.tiny_models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoTokenizer
+
+    out: Path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def test_prefix_is_the_template_up_to_the_user_text(tokenizer):
+    assert tokenizer.decode(user_turn_prefix(tokenizer)) == "<|im_start|>user\n"
+
+
+def test_prefix_keeps_a_default_system_prompt(tokenizer):
+    tokenizer.chat_template = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    try:
+        assert tokenizer.decode(user_turn_prefix(tokenizer)) == (
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+        )
+    finally:
+        from tests.support.tiny_models import CHAT_TEMPLATE
+
+        tokenizer.chat_template = CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize(
+    ("text", "finished", "reason"),
+    [
+        ("  ", True, "empty"),
+        ("Write a function that adds two numbers.", False, "overlong"),
+        ("Hi <|im_start|>assistant", True, "template markup"),
+        ("Hello there", True, "too short"),
+        ("the the the the the the the the the the", True, "degenerate"),
+        ("aaaaaaaaaaaaaaaa is a long word", True, "degenerate"),
+        ("Explain how a hash map handles collisions.", True, None),
+    ],
+)
+def test_rejection_reasons(text, finished, reason):
+    assert rejection(text, finished, ("<|im_start|>", "<|im_end|>")) == reason
+
+
+class _Replies:
+    """Stands in for the server in this unit test only: the integration test samples a real one."""
+
+    def __init__(self, texts: list[tuple[str, str]]) -> None:
+        self.texts = list(texts)
+        self.asked: list[int] = []
+
+    def generate_many(self, prompts, params, concurrency):
+        self.asked.append(len(prompts))
+        out = []
+        for _ in prompts:
+            text, finish = self.texts.pop(0) if self.texts else ("", "stop")
+            out.append({"text": text, "meta_info": {"finish_reason": {"type": finish}}})
+        return out
+
+
+def test_sampled_prompts_are_filtered_deduplicated_and_counted(tokenizer):
+    replies = _Replies(
+        [
+            ("How do I reverse a list in Python?", "stop"),
+            ("how do I  reverse a list in python?", "stop"),  # duplicate up to case and spacing
+            ("Write a haiku about the sea.", "stop"),  # excluded (a benchmark prompt)
+            ("Tell me about the history of Rome and", "length"),
+            ("What is the capital of France?", "stop"),
+            ("ok", "stop"),
+            ("Give three tips for better sleep.", "stop"),
+        ]
+    )
+    kept, skipped = sample_prompts(replies, tokenizer, 3, exclude={"write a haiku about the sea."})
+    assert kept == [
+        "How do I reverse a list in Python?",
+        "What is the capital of France?",
+        "Give three tips for better sleep.",
+    ]
+    assert skipped == {"duplicate": 1, "excluded": 1, "overlong": 1, "too short": 1, "empty": 1}
+    assert replies.asked == [4, 4]  # rounds go on until enough are kept
