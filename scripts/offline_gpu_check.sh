@@ -4,6 +4,11 @@
 #   .gpu/bundle.tar.xz  scripts/offline_bundle.py's output (SGLang and what the host lacks);
 #   .gpu/smol.tar.xz    a model directory without weights (config, tokenizer): the target gets random weights;
 #   sglang_dart/_core.abi3.so  the Rust extension built here (abi3: any Python >= 3.10).
+# Building the bundle here (network to PyPI; ~8 minutes), with the host's package names in HOST_PKGS.txt:
+#   python3.12 -m venv /tmp/py312 && /tmp/py312/bin/pip install -c constraints.txt -e ".[test]"
+#   /tmp/py312/bin/python scripts/offline_bundle.py --site /tmp/py312/lib/python3.12/site-packages \
+#       --out .gpu/bundle.tar.xz --host-packages HOST_PKGS.txt
+# FlashInfer builds its norm and sampling modules on the host at first use (nvcc): allow minutes for it.
 # Output: $OUT/gpu_check.json and $OUT/logs.tar.gz (every server's log). Environment knobs: ATTN (attention
 # backend, default triton: no JIT build), SERVER_ARGS, GC_TIMEOUT, START_TIMEOUT, SKIP_SMOKE=1; extra
 # arguments go to gpu_check.py (e.g. --checks greedy).
