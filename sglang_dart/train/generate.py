@@ -36,7 +36,7 @@ from sglang_dart.train.prompts import training_prompts
 Prompt = str | list[dict[str, str]]
 
 
-def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
     """The chat-templated ids of a prompt: one user turn, or a conversation ending with a user turn."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     return templated_ids(tokenizer, messages, add_generation_prompt=True)
@@ -75,7 +75,7 @@ def answers(
         out = server.generate({"input_ids": ids, "sampling_params": params}, timeout=3600)
         full = ids + [int(t) for t in out["output_ids"]]
         return {
-            "prompt": prompt if isinstance(prompt, str) else prompt[-1]["content"],
+            "prompt": _prompt_key(prompt),
             "input_ids": full,
             "prompt_len": len(ids),
             "text": tokenizer.decode(full),
@@ -89,6 +89,7 @@ def answers(
 
 
 def _prompt_key(prompt: Prompt) -> str:
+    """What a row records as its prompt: the prompt, or a conversation's last user turn."""
     return prompt if isinstance(prompt, str) else prompt[-1]["content"]
 
 

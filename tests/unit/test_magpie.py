@@ -91,3 +91,19 @@ def test_sampled_prompts_are_filtered_deduplicated_and_counted(tokenizer):
     ]
     assert skipped == {"duplicate": 1, "excluded": 1, "overlong": 1, "too short": 1, "empty": 1}
     assert replies.asked == [4, 4]  # rounds go on until enough are kept
+
+
+def test_a_resumed_generation_answers_only_what_is_missing(tmp_path):
+    from sglang_dart.train.generate import _read_rows, unanswered
+
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    prompts = ["x", "y", "x", chat, "z"]  # "x" asked twice (two samples)
+    partial = tmp_path / "out.jsonl.partial"
+    partial.write_text('{"prompt": "x"}\n{"prompt": "c"}\n{"prompt": "y", "cut')
+    rows = _read_rows(partial)
+    assert rows == [{"prompt": "x"}, {"prompt": "c"}]  # the line cut off by the kill is dropped
+    assert unanswered(prompts, rows) == ["y", "x", "z"]
