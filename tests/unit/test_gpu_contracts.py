@@ -88,6 +88,15 @@ def test_a_tree_backend_given_by_flag_is_kept(assets):
     assert _cuda_server_args(assets, attention_backend="triton").attention_backend == "triton"
 
 
+def test_deterministic_inference_on_hopper_names_the_backend_to_use(assets):
+    """--enable-deterministic-inference picks fa3 on Hopper by itself, after the default-backend choice DART
+    hooks: the server stops at start-up saying which flag to give (gpu_check.py passes one)."""
+    with pytest.raises(DartArgsError, match="--attention-backend fa3 .* use --attention-backend flashinfer"):
+        _cuda_server_args(assets, enable_deterministic_inference=True)
+    args = _cuda_server_args(assets, enable_deterministic_inference=True, attention_backend="triton")
+    assert args.attention_backend == "triton"
+
+
 def test_rejection_sampling_is_refused_by_name(assets):
     with pytest.raises(DartArgsError, match="--speculative-use-rejection-sampling"):
         _cuda_server_args(assets, speculative_use_rejection_sampling=True)
