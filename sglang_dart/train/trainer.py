@@ -144,7 +144,7 @@ def train(
     order: list[int] = []
     losses: list[float] = []
     window = RowStats()
-    bar = RowStats()  # the live line's window: the last 20 steps
+    bar = RowStats()  # the live line's top-1 window: up to 20 steps
     live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
     shown = 0.0
     start = time.monotonic()
@@ -185,8 +185,8 @@ def train(
             sys.stderr.write(f"\r\033[K{line}")
             sys.stderr.flush()
             shown = elapsed
-            if (step + 1) % 20 == 0:
-                bar = RowStats()
+        if (step + 1) % 20 == 0:
+            bar = RowStats()
         if settings.log_every and (step + 1) % settings.log_every == 0:
             if live:
                 sys.stderr.write("\r\033[K")
