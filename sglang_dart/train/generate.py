@@ -13,7 +13,8 @@ labels every position with the target's argmax anyway, so sampling changes the c
 
 The prompt list is saved first (`OUT.prompts.json`) and rows are appended to `OUT.partial` as they come;
 a run started again with the same OUT after an interruption reuses that list and answers only what is
-missing, so a long generation can span sessions.
+missing, so a long generation can span sessions. Magpie prompts are saved as they are sampled
+(`OUT.magpie.jsonl`, folded into the list once it is written): a run stopped while sampling keeps them.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def unanswered(prompts: list[Prompt], rows: list[dict]) -> list[Prompt]:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """The complete rows of a partial output (a line cut off by a kill is dropped)."""
+    """The complete JSON lines of a file written as it went (a line cut off by a kill is dropped)."""
     rows = []
     for line in path.read_text().splitlines():
         try:
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     partial = args.out.with_name(args.out.name + ".partial")
     prompt_file = args.out.with_name(args.out.name + ".prompts.json")
+    magpie_file = args.out.with_name(args.out.name + ".magpie.jsonl")  # sampled prompts, as they come
     resume = partial.exists() and prompt_file.exists()
     if resume:
         prompts = json.loads(prompt_file.read_text())
@@ -171,17 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     with target_server(args.target, args.concurrency, args.out.parent, args.dtype) as server:
         if not resume:
             if args.magpie:
-                written, skipped = magpie.sample_prompts(
-                    server, tokenizer, args.magpie, exclude | set(map(_prompt_key, prompts)),
-                    concurrency=args.concurrency,
-                )  # fmt: skip
-                print(
-                    f"magpie: {len(written)} prompts written by the target (skipped: {dict(skipped)})",
-                    file=sys.stderr,
-                )
-                prompts = prompts + written
+                prompts = prompts + _magpie_prompts(server, tokenizer, args, exclude, prompts, magpie_file)
             prompts = prompts * args.samples_per_prompt
             prompt_file.write_text(json.dumps(prompts))
+            magpie_file.unlink(missing_ok=True)  # the prompt list holds them now
             partial.write_text("")
         todo = unanswered(prompts, done)
         try:
@@ -205,6 +200,32 @@ def main(argv: list[str] | None = None) -> None:
             raise
     partial.replace(args.out)
     print(f"wrote {len(done) + count} conversations ({tokens} generated tokens this run) to {args.out}")
+
+
+def _magpie_prompts(
+    server: Any, tokenizer: Any, args: argparse.Namespace, exclude: set[str], others: list[Prompt], side: Path
+) -> list[str]:
+    """args.magpie prompts written by the target, each saved to `side` as it is kept; prompts an
+    interrupted run saved there count, and only the rest are sampled."""
+    saved = [row for row in _read_rows(side) if isinstance(row, str)] if side.exists() else []
+    side.write_text("".join(json.dumps(p) + "\n" for p in saved))  # without a cut-off line
+    wanted = max(0, args.magpie - len(saved))
+    with side.open("a") as f:
+
+        def keep(prompt: str) -> None:
+            f.write(json.dumps(prompt) + "\n")
+            f.flush()
+
+        written, skipped = magpie.sample_prompts(
+            server, tokenizer, wanted, exclude | set(map(_prompt_key, others)) | set(saved),
+            concurrency=args.concurrency, on_kept=keep,
+        )  # fmt: skip
+    print(
+        f"magpie: {len(saved) + len(written)} prompts written by the target"
+        f"{f' ({len(saved)} from an interrupted run)' if saved else ''} (skipped: {dict(skipped)})",
+        file=sys.stderr,
+    )
+    return saved + written
 
 
 def _fixed_prompts(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from sglang_dart.train.conversations import templated_ids
@@ -66,10 +67,12 @@ def sample_prompts(
     max_new_tokens: int = 96,
     concurrency: int = 16,
     max_rounds: int = 8,
+    on_kept: Callable[[str], None] | None = None,
 ) -> tuple[list[str], Counter]:
     """Up to `count` distinct prompts sampled from the target through `server` (a running SGLang server);
     rounds of requests continue until there are enough or `max_rounds` rounds have run. Returns the
-    prompts and the counts of what was skipped, by reason."""
+    prompts and the counts of what was skipped, by reason; `on_kept` is called with each prompt as it is
+    kept (the caller saves it, so an interrupted run keeps what it sampled)."""
     prefix = user_turn_prefix(tokenizer)
     markers = tuple(t for t in tokenizer.all_special_tokens if t and len(t) > 1)
     excluded = {normalized(p) for p in exclude or ()}
@@ -101,4 +104,6 @@ def sample_prompts(
             seen.add(key)
             if len(kept) < count:
                 kept.append(text.strip())
+                if on_kept is not None:
+                    on_kept(kept[-1])
     return kept, skipped

@@ -144,6 +144,7 @@ def test_generate_with_magpie_prompts_resumes_where_it_stopped(tiny_qwen3_dir, t
     first = _run("sglang_dart.train.generate", *cmd)
     assert "magpie: " in first.stderr and "prompts written by the target" in first.stderr, first.stderr
     prompts = json.loads((tmp_path / "data.jsonl.prompts.json").read_text())
+    assert not (tmp_path / "data.jsonl.magpie.jsonl").exists()  # the sampled prompts' side file is folded in
     written = prompts[5:]  # after the pool's: the target's own (a random tiny model ends few of its turns)
     assert len(written) <= 4 and len(set(prompts)) == len(prompts)
     rows = [json.loads(line) for line in out.read_text().splitlines()]

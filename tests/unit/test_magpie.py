@@ -107,3 +107,28 @@ def test_a_resumed_generation_answers_only_what_is_missing(tmp_path):
     rows = _read_rows(partial)
     assert rows == [{"prompt": "x"}, {"prompt": "c"}]  # the line cut off by the kill is dropped
     assert unanswered(prompts, rows) == ["y", "x", "z"]
+
+
+def test_magpie_prompts_an_interrupted_run_saved_are_kept_and_only_the_rest_sampled(tokenizer, tmp_path):
+    from argparse import Namespace
+
+    from sglang_dart.train.generate import _magpie_prompts
+
+    side = tmp_path / "out.jsonl.magpie.jsonl"
+    side.write_text('"How do I sort a dict by value?"\n"Name three\n')  # one kept, one cut off by the kill
+    replies = _Replies(
+        [
+            ("how do I sort a dict by value?", "stop"),  # the saved one again: a duplicate
+            ("What is a closure in JavaScript?", "stop"),
+            ("Plan a three-day trip to Lisbon.", "stop"),
+            ("Explain recursion to a child.", "stop"),
+        ]
+    )
+    args = Namespace(magpie=3, concurrency=4)
+    prompts = _magpie_prompts(replies, tokenizer, args, set(), ["a pool prompt"], side)
+    assert prompts == [
+        "How do I sort a dict by value?",
+        "What is a closure in JavaScript?",
+        "Plan a three-day trip to Lisbon.",
+    ]
+    assert [line.strip('"') for line in side.read_text().splitlines()] == prompts  # saved as they came
