@@ -94,13 +94,9 @@ def _random_target_like(source: Path, out: Path, seed: int = 0) -> Path:
 def _run(
     server: SglangServer, prompts: list[list[int]], params: dict, concurrency: int
 ) -> tuple[list, float]:
+    """The outputs and the wall time of `prompts` served `concurrency` at a time."""
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outs = list(
-            pool.map(
-                lambda p: server.generate({"input_ids": p, "sampling_params": params}, timeout=120), prompts
-            )
-        )
+    outs = server.generate_many(prompts, params, concurrency, timeout=120)
     return outs, time.perf_counter() - start
 
 
@@ -163,16 +159,13 @@ def _greedy_and_timings(
         timings: dict = {}
         for bs in args.batch_sizes:
             batch = prompts[: max(bs, 8)]
-            row = {}
+            row, done = {}, {}
             for name, server in servers.items():
                 _run(server, batch[:bs], greedy, bs)  # warm-up at this batch size (graphs, caches)
-                done, seconds = _run(server, batch, greedy, bs)
-                row[name] = sum(len(o["output_ids"]) for o in done) / seconds
-                if name == "dart":
-                    row["dart_tau"] = _tau(done)
-            timings[bs] = {name: {"tok_s": v, "vs_plain": v / row["plain"]} for name, v in row.items()
-                           if name != "dart_tau"}  # fmt: skip
-            timings[bs]["dart"]["tau"] = row["dart_tau"]
+                done[name], seconds = _run(server, batch, greedy, bs)
+                row[name] = sum(len(o["output_ids"]) for o in done[name]) / seconds
+            timings[bs] = {name: {"tok_s": v, "vs_plain": v / row["plain"]} for name, v in row.items()}
+            timings[bs]["dart"]["tau"] = _tau(done["dart"])
             print(f"batch {bs}: " + ", ".join(f"{n} {v['tok_s']:.1f} tok/s ({v['vs_plain']:.2f}x)"
                                               for n, v in timings[bs].items()), flush=True)  # fmt: skip
             report["timings"] = timings
@@ -211,32 +204,25 @@ def _seeded_sampling(args: argparse.Namespace, common: list[str], dart_args: lis
     servers = _servers_side_by_side({"plain-seeded": seeded, "dart-seeded": seeded + dart_args}, args)
     try:
         runs = {
-            name: [
-                server.generate({"input_ids": p, "sampling_params": s})
-                for p, s in zip(prompts, sampled, strict=True)
-            ]
-            for name, server in servers.items()
+            name: server.generate_many(prompts, sampled, concurrency=1) for name, server in servers.items()
         }
         report["seeded_sampling_parity"] = _parity(runs["plain-seeded"], runs["dart-seeded"])
     finally:
         _stop(servers)
 
 
-def _stage(name: str, report: dict, args: argparse.Namespace, fn, *fn_args) -> bool:  # noqa: ANN001
+def _stage(name: str, report: dict, args: argparse.Namespace, fn, *fn_args) -> None:  # noqa: ANN001
     """Run one check; a failure is recorded in the report (with its traceback) and the next check runs."""
     import traceback
 
     start = time.perf_counter()
     try:
         fn(*fn_args, report)
-        ok = True
     except Exception:  # noqa: BLE001 - every failure is reported, none stops the other checks
         report.setdefault("errors", {})[name] = traceback.format_exc()[-4000:]
         print(f"{name} FAILED:\n{report['errors'][name]}", flush=True)
-        ok = False
     report.setdefault("stage_seconds", {})[name] = round(time.perf_counter() - start, 1)
     _save(args, report)
-    return ok
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,7 +134,7 @@ class SglangServer:
         return resp.json()
 
     def generate_many(
-        self, prompts: list[list[int]], params: dict | list[dict], concurrency: int
+        self, prompts: list[list[int]], params: dict | list[dict], concurrency: int, timeout: float = 300.0
     ) -> list[dict]:
         """One /generate per token-id prompt (params: shared, or one per prompt), `concurrency` in flight
         at once; results in prompt order."""
@@ -144,7 +144,7 @@ class SglangServer:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             return list(
                 pool.map(
-                    lambda job: self.generate({"input_ids": job[0], "sampling_params": job[1]}),
+                    lambda job: self.generate({"input_ids": job[0], "sampling_params": job[1]}, timeout),
                     zip(prompts, per_prompt, strict=True),
                 )
             )

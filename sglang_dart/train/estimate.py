@@ -11,7 +11,6 @@ between the two). Both are means over every anchor of the held-out sequences.
 from __future__ import annotations
 
 import random
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from sglang_dart.drafter.model import DartDrafter
 from sglang_dart.train.blocks import block_logits
 from sglang_dart.train.features import SequenceFeatures
+from sglang_dart.train.trainer import cpu_bf16_autocast, sample_anchors
 from sglang_dart.train.vocab import DraftVocab
 
 
@@ -74,7 +74,7 @@ def estimate_acceptance(
     model.eval()
     rng = random.Random(seed)
     d = model.cfg.draft_length
-    correct, valid = torch.zeros(d + 1), torch.zeros(d + 1)
+    correct = torch.zeros(d + 1)
     counted = 0
     chain_total, bound_total, sequences = 0.0, 0.0, 0
     try:
@@ -82,30 +82,20 @@ def estimate_acceptance(
             num_real = feats.input_ids.shape[0] - 1
             # Anchors whose d + 1 rows all have a label (the window ends inside the sequence): a run cut
             # short by the sequence's end would count as a miss.
-            candidates = [p for p in range(num_real) if p + 1 + d < feats.labels.shape[0]]
-            if not candidates:
+            if num_real - d <= 0:
                 continue
-            picked = sorted(rng.sample(candidates, min(len(candidates), max_anchors_per_sequence)))
-            anchors = torch.tensor(picked, dtype=torch.long)
-            autocast = (
-                torch.autocast("cpu", dtype=torch.bfloat16)
-                if bf16_autocast and feats.taps.device.type == "cpu"
-                else nullcontext()
-            )
-            with autocast:
+            anchors = sample_anchors(num_real - d, max_anchors_per_sequence, rng)
+            with cpu_bf16_autocast(bf16_autocast, feats.taps):
                 out = block_logits(
                     model, feats.taps[:num_real].to(model.fc.weight.dtype), feats.input_ids[1:], anchors
                 )
             rows = torch.cat([out.real[anchors].unsqueeze(1), out.masks], dim=1).float()  # [A, d + 1, Vd]
             label_index = anchors.unsqueeze(1) + 1 + torch.arange(d + 1)  # row j: the token at p + 1 + j
-            inside = label_index < feats.labels.shape[0]
-            labels = vocab.to_draft(feats.labels[label_index.clamp(max=feats.labels.shape[0] - 1)])
-            labels = torch.where(inside, labels, -100)  # past the end, or outside the draft vocabulary
+            labels = vocab.to_draft(feats.labels[label_index])  # -100: outside the draft vocabulary
             top1 = (rows.argmax(dim=-1) == labels) & (labels >= 0)
             in_topk = (rows.topk(min(k, rows.shape[-1]), dim=-1).indices == labels.unsqueeze(-1)).any(-1)
             in_topk &= labels >= 0
             correct += top1.float().sum(dim=0)
-            valid += inside.float().sum(dim=0)
             counted += anchors.shape[0]
             chain_total += float((1 + _leading_hits(top1)).sum())
             bound_total += float((1 + _leading_hits(in_topk)).sum())
@@ -117,7 +107,7 @@ def estimate_acceptance(
     return AcceptEstimate(
         sequences=sequences,
         anchors=counted,
-        top1_by_row=(correct / valid.clamp(min=1)).tolist(),
+        top1_by_row=(correct / counted).tolist(),
         tau_chain=chain_total / counted,
         tau_topk_bound=bound_total / counted,
         k=k,

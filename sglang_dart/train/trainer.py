@@ -8,7 +8,7 @@ import math
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +113,13 @@ def progress_line(
     )
 
 
+def cpu_bf16_autocast(enabled: bool, taps: torch.Tensor) -> AbstractContextManager:
+    """bf16 autocast for a forward over taps on the CPU (where it pays); no autocast otherwise."""
+    if enabled and taps.device.type == "cpu":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def sample_anchors(num_real: int, count: int, rng: random.Random) -> torch.Tensor:
     count = min(count, num_real)
     return torch.tensor(sorted(rng.sample(range(num_real), count)), dtype=torch.long)
@@ -163,12 +170,7 @@ def train(
                 rng.shuffle(order)
             feats = usable[order.pop()]
             anchors = sample_anchors(feats.input_ids.shape[0] - 1, settings.anchors_per_sequence, rng)
-            autocast = (
-                torch.autocast("cpu", dtype=torch.bfloat16)
-                if settings.bf16_autocast and feats.taps.device.type == "cpu"
-                else nullcontext()
-            )
-            with autocast:
+            with cpu_bf16_autocast(settings.bf16_autocast, feats.taps):
                 result = sequence_loss(model, feats, vocab, anchors, settings.row_decay)
             (result.loss / settings.sequences_per_step).backward()
             step_loss += float(result.loss.detach()) / settings.sequences_per_step
