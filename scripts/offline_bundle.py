@@ -66,11 +66,11 @@ def _distributions(site: Path) -> list[tuple[str, list[Path]]]:
     dists = []
     for info in sorted(site.glob("*.dist-info")):
         name = info.name.removesuffix(".dist-info").rsplit("-", 1)[0]
-        record = info / "RECORD"
-        files = [info / "RECORD"]
+        record = info / "RECORD"  # lists every installed file, itself included
+        files = []
         if record.exists():
             with record.open(newline="") as fh:
-                files += [(site / row[0]).resolve() for row in csv.reader(fh) if row]
+                files = [(site / row[0]).resolve() for row in csv.reader(fh) if row]
         dists.append((name, files))
     return dists
 
