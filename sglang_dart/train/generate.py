@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if not getattr(tokenizer, "chat_template", None):  # every prompt goes through it: refuse before serving
+        p.error(f"{args.target}: the tokenizer has no chat template to put prompts in")
+    if args.magpie and not resume:
+        try:
+            magpie.user_turn_prefix(tokenizer)
+        except ValueError as exc:
+            p.error(f"--magpie: {exc}")
     count = tokens = 0
     # The server runs in its own session; a plain SIGTERM would end this process and leave it running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

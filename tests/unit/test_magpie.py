@@ -132,3 +132,17 @@ def test_magpie_prompts_an_interrupted_run_saved_are_kept_and_only_the_rest_samp
         "Plan a three-day trip to Lisbon.",
     ]
     assert [line.strip('"') for line in side.read_text().splitlines()] == prompts  # saved as they came
+
+
+def test_generate_refuses_a_tokenizer_without_chat_template_before_serving(tmp_path, capsys):
+    from sglang_dart.train.generate import main
+
+    target = tmp_path / "target"
+    build_tokenizer(target)
+    config = target / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SystemExit):
+        main(["--target", str(target), "--out", str(tmp_path / "out.jsonl"), "--num-prompts", "2"])
+    assert "no chat template" in capsys.readouterr().err
+    assert not (tmp_path / "generate-server.log").exists()  # refused before any server started
