@@ -62,6 +62,16 @@ def put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def register_draft_model() -> None:
+    """Make SGLang's model registry know the drafters' architecture, so its draft worker loads them.
+    Done where a DART worker is built: importing the registry imports every SGLang model."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    from sglang_dart.drafter.sglang_model import ARCHITECTURE, LlamaForCausalLMDart
+
+    ModelRegistry.models[ARCHITECTURE] = LlamaForCausalLMDart
+
+
 def register_dart() -> None:
     """`--speculative-algorithm DART`: validated in the launcher, built in every scheduler process."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -88,6 +98,7 @@ def register_dart() -> None:
     def worker_class(_server_args):  # noqa: ANN001, ANN202
         from sglang_dart.dart.worker import DartWorker
 
+        register_draft_model()
         return DartWorker
 
     SpeculativeAlgorithm.register(

@@ -28,9 +28,11 @@ import numpy as np
 import torch
 from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker, _derive_tree_links
@@ -43,7 +45,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import StepClock
-from sglang_dart.dart.draft_runner import DraftRunner
+from sglang_dart.dart.drafting import DraftForward
 from sglang_dart.dart.penalties import apply_node_penalties, penalized
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.sampling import (
@@ -54,7 +56,8 @@ from sglang_dart.dart.sampling import (
 )
 from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config, tree_size_schedule
 from sglang_dart.dart.verify_mask import full_verify_mask
-from sglang_dart.drafter import load_drafter
+from sglang_dart.drafter import DraftConfig
+from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
 from sglang_dart.pruner import prune_batch
 
@@ -127,7 +130,8 @@ class DartWorker(NGRAMWorker):
         if vocab >= 1 << 24:  # draft candidates cross to the host as float32 ids (`_keep_candidates`)
             raise DartArgsError(f"DART supports vocabularies below 2**24 tokens, not {vocab}")
         embed = model.model.embed_tokens.weight[:vocab]
-        self.drafter = load_drafter(server_args.speculative_draft_model_path, embed, hidden, vocab)
+        self.draft_model = self._load_draft_model(server_args, gpu_id, ps, nccl_port, embed, hidden, vocab)
+        self.drafter = self.draft_model.drafter
         self.store = NgramStore(server_args.speculative_ngram_external_corpus_path)
         self._check_store(target_worker.tokenizer, vocab)
         self.pruner_config = pruner_config(server_args)
@@ -139,7 +143,7 @@ class DartWorker(NGRAMWorker):
         eos = getattr(model_config, "hf_eos_token_id", None) or []
         self.eos_ids = sorted({int(t) for t in (eos if not isinstance(eos, int) else [eos])})
         self._candidates: dict[str, DraftCandidates] = {}
-        self.runner: DraftRunner | None = None
+        self.runner: DraftForward | None = None
         self.checks = os.environ.get(CHECKS_ENV) == "1"
         self._step_kind = "prefill"  # what the last step was, for the host-read budget
 
@@ -156,10 +160,76 @@ class DartWorker(NGRAMWorker):
         elif self.store.tokenizer_fingerprint != tokenizer_fingerprint(tokenizer):
             raise DartArgsError(f"3-gram store {path} was built with another tokenizer than the target's")
 
-    def alloc_memory_pool(self, **kwargs: Any) -> None:
-        super().alloc_memory_pool(**kwargs)
-        slots = self.token_to_kv_pool_allocator.get_kvcache().get_key_buffer(0).shape[0]
-        self.runner = DraftRunner(self.drafter, self.req_to_token_pool.req_to_token, slots)
+    def _load_draft_model(
+        self, server_args: Any, gpu_id: int, ps: Any, nccl_port: int, embed: torch.Tensor, hidden: int, vocab: int
+    ) -> LlamaForCausalLMDart:
+        """The drafter, loaded by SGLang's draft worker machinery into a draft `TpModelWorker` whose
+        attention backend is the target's (one that verifies trees: `gpu_contracts`)."""
+        path = server_args.speculative_draft_model_path
+        # Checked before SGLang reads the directory, for an error that names what does not fit.
+        cfg = DraftConfig.from_dir(path)
+        cfg.check_fits_target(hidden, vocab)
+        prefill_backend, _ = server_args.get_attention_backends()
+        bundle = build_draft_tp_worker(
+            server_args=server_args,
+            gpu_id=gpu_id,
+            ps=ps,
+            nccl_port=nccl_port,
+            target_model_config=self.model_runner.model_config,
+            algo_label="DART",
+            attention_backend_override=server_args.attention_backend or prefill_backend,
+        )
+        if not isinstance(bundle.draft_model, LlamaForCausalLMDart):
+            raise DartArgsError(
+                f"draft checkpoint {path} loaded as {type(bundle.draft_model).__name__}, "
+                "not DART's draft layer: its config.json must name the LlamaForCausalLMDart architecture"
+            )
+        self._draft_worker = bundle.draft_worker
+        self.draft_model_runner = bundle.draft_model_runner
+        bundle.draft_model.attach_target(embed, hidden, vocab)
+        return bundle.draft_model
+
+    @property
+    def draft_worker(self) -> Any:
+        return self._draft_worker
+
+    def alloc_memory_pool(
+        self, memory_pool_config: Any = None, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None
+    ) -> None:
+        """The draft pools, once SGLang has sized the target's: a one-layer KV pool over the same slots
+        (plus scratch slots past them, `drafting`) and a request table of the draft's own."""
+        target_pool, allocator = self._target_worker.get_memory_pool()
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = target_pool, allocator
+        self.max_batch_size = self.model_runner.max_running_requests
+        target_kv = allocator.get_kvcache()
+        num_slots = target_kv.get_key_buffer(0).shape[0]
+        config = memory_pool_config or self.model_runner.memory_pool_config
+        max_batch = target_pool.req_to_token.shape[0]
+        scratch = DraftForward.scratch_slots(max_batch, self.drafter.cfg.draft_length)
+        draft_table = ReqToTokenPool(
+            size=target_pool.size,
+            max_context_len=target_pool.req_to_token.shape[1] + self.drafter.cfg.draft_length + 1,
+            device=target_pool.device,
+            enable_memory_saver=False,
+        )
+        self._draft_worker.alloc_memory_pool(
+            memory_pool_config=replace(config, max_total_num_tokens=config.max_total_num_tokens + scratch),
+            req_to_token_pool=draft_table,
+            token_to_kv_pool_allocator=allocator,
+        )
+        draft_kv = self.draft_model_runner.token_to_kv_pool
+        if draft_kv.get_key_buffer(0).shape[0] < num_slots + scratch:
+            raise AssertionError("DART: the draft KV pool has no room for its scratch slots")
+        self.runner = DraftForward(
+            self.draft_model, self.draft_model_runner, target_pool.req_to_token, num_slots, num_slots
+        )
+
+    def init_attention_backends(self) -> None:
+        self._draft_worker.init_attention_backends()
+
+    def init_cuda_graphs(self) -> None:
+        """The draft forward runs eagerly (its row count follows the accepted lengths); the target's
+        verify graphs are SGLang's own (`gpu_contracts`)."""
 
     def _init_preallocated_tensors(self) -> None:
         """NGRAM's verify buffers are sized for a fixed tree; DART's tree size changes per step, so its

@@ -81,7 +81,7 @@ class DraftOutput:
 
 
 class DartDrafter(nn.Module):
-    def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor) -> None:
+    def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor | None) -> None:
         super().__init__()
         self.cfg = cfg
         self.fc = Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
@@ -89,7 +89,8 @@ class DartDrafter(nn.Module):
         self.norm = _Norm(cfg.hidden_size)
         self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.embed_tokens = embed_tokens  # the target's table, shared, never copied or saved
+        # The target's table, shared, never copied or saved (None until a serving worker hands it over).
+        self.embed_tokens = embed_tokens
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -182,34 +183,13 @@ class DartDrafter(nn.Module):
 _IGNORED_TENSORS = {"t2d"}  # target→draft presence mask: unused at inference
 
 
-def load_drafter(
-    path: Path | str,
-    embed_tokens: torch.Tensor,
-    target_hidden_size: int,
-    target_vocab_size: int,
-    dtype: torch.dtype | None = None,
-) -> DartDrafter:
-    """Load `config.json` + `model.safetensors` (published layout) and check that it fits the target."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    cfg = DraftConfig.from_dir(path)
-    cfg.check_fits_target(target_hidden_size, target_vocab_size)
-    if embed_tokens.shape != (target_vocab_size, target_hidden_size):
-        raise DraftConfigError(f"target embedding table has shape {tuple(embed_tokens.shape)}")
-    weights_file = path / "model.safetensors"
-    try:
-        tensors = load_file(str(weights_file))
-    except FileNotFoundError as exc:
-        raise DraftConfigError(f"draft checkpoint {path} has no model.safetensors") from exc
-    except SafetensorError as exc:
-        raise DraftConfigError(
-            f"draft weights {weights_file} are not a valid safetensors file: {exc}"
-        ) from exc
-
-    model = DartDrafter(cfg, embed_tokens)
-    expected = model.state_dict()
+def checked_state(
+    cfg: DraftConfig, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], source: str
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as a state dict for a `DartDrafter` whose own state is `expected`, or a
+    `DraftConfigError` naming what does not match its config (missing, unexpected, wrong shapes, a d2t
+    that maps outside the target vocabulary)."""
+    tensors = dict(tensors)
     if "d2t" not in tensors and cfg.draft_vocab_size != cfg.vocab_size:
         raise DraftConfigError("draft vocabulary is smaller than the target's but the checkpoint has no d2t")
     tensors.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
@@ -222,15 +202,52 @@ def load_drafter(
     )
     if missing or unexpected or wrong:
         raise DraftConfigError(
-            f"draft weights {weights_file} do not match its config: missing {missing}, "
+            f"draft weights {source} do not match its config: missing {missing}, "
             f"unexpected {unexpected}, wrong shapes {wrong}"
         )
-    d2t = tensors["d2t"].to(torch.int64)
-    if (
-        int((torch.arange(cfg.draft_vocab_size) + d2t).max()) >= cfg.vocab_size
-        or int((torch.arange(cfg.draft_vocab_size) + d2t).min()) < 0
-    ):
+    d2t = tensors["d2t"].to(device="cpu", dtype=torch.int64)
+    targets = torch.arange(cfg.draft_vocab_size) + d2t
+    if int(targets.max()) >= cfg.vocab_size or int(targets.min()) < 0:
         raise DraftConfigError("draft d2t maps draft ids outside the target vocabulary")
-    model.load_state_dict({**tensors, "d2t": d2t}, strict=False)
+    return {name: t for name, t in {**tensors, "d2t": d2t}.items() if name in expected}
+
+
+def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    """`model.safetensors` of a draft checkpoint directory, with a clear error when absent or corrupt."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights_file = Path(path) / "model.safetensors"
+    try:
+        return load_file(str(weights_file))
+    except FileNotFoundError as exc:
+        raise DraftConfigError(f"draft checkpoint {path} has no model.safetensors") from exc
+    except SafetensorError as exc:
+        raise DraftConfigError(
+            f"draft weights {weights_file} are not a valid safetensors file: {exc}"
+        ) from exc
+
+
+def check_embedding(embed_tokens: torch.Tensor, target_hidden_size: int, target_vocab_size: int) -> None:
+    if embed_tokens.shape != (target_vocab_size, target_hidden_size):
+        raise DraftConfigError(f"target embedding table has shape {tuple(embed_tokens.shape)}")
+
+
+def load_drafter(
+    path: Path | str,
+    embed_tokens: torch.Tensor,
+    target_hidden_size: int,
+    target_vocab_size: int,
+    dtype: torch.dtype | None = None,
+) -> DartDrafter:
+    """Load `config.json` + `model.safetensors` (published layout) and check that it fits the target
+    (training and tests; serving loads the same files through SGLang, `drafter.sglang_model`)."""
+    path = Path(path)
+    cfg = DraftConfig.from_dir(path)
+    cfg.check_fits_target(target_hidden_size, target_vocab_size)
+    check_embedding(embed_tokens, target_hidden_size, target_vocab_size)
+    tensors = read_weights(path)
+    model = DartDrafter(cfg, embed_tokens)
+    model.load_state_dict(checked_state(cfg, tensors, model.state_dict(), str(path / "model.safetensors")))
     target_dtype = dtype or embed_tokens.dtype
     return model.to(dtype=target_dtype, device=embed_tokens.device).eval()

@@ -1,0 +1,239 @@
+"""DART's draft forward for a whole batch, through SGLang's draft model runner: its one-layer KV pool
+(sized from SGLang's memory plan) and its attention backend (FlashInfer/triton on CUDA, the tree-mask
+backend on CPU).
+
+What the draft keeps per target KV slot (slot lifetimes, radix-cache sharing and freeing all follow the
+target's own bookkeeping):
+- the fused residual fc(taps) of the token in that slot (it depends on the prefix up to that token only):
+  `residual`, beside the pool, counted in SGLang's per-slot budget (`gpu_contracts`);
+- the draft K/V of draft entry t, which pairs token t's residual with the embedding of token t+1, in the
+  draft pool at the slot of token t+1: it depends on tokens 0..t+1 only, so a shared radix prefix shares
+  it correctly.
+
+So the draft's sequence is the target's shifted by one: draft index j lives in the slot of target token
+j + 1. The draft model runner reads its own request table (`draft_table`, an SGLang `ReqToTokenPool`),
+whose rows each step copies from the target's, shifted. The newest entry (its next token has no slot yet)
+and the mask slots are written to scratch slots past the end of the target's slot range (the draft pool is
+made larger by that much; the shared allocator never hands them out) and are never kept: each step
+recomputes them. A step that drafts nothing still stores its entries (`store_entries`), so a later draft
+finds every entry of its prefix in place.
+
+Device contract: row layouts are computed on the host from the callers' Python lists and uploaded in one
+tensor (non-blocking where the memory allows); nothing is read back from the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+from sglang_dart.attention.tree_attention import upload
+from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
+
+
+class DraftForward:
+    def __init__(
+        self,
+        model: LlamaForCausalLMDart,
+        draft_runner: Any,
+        target_req_to_token: torch.Tensor,
+        scratch_base: int,
+        num_slots: int,
+    ) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.drafter = model.drafter
+        self.draft_runner = draft_runner
+        self.req_to_token = target_req_to_token
+        self.draft_table = draft_runner.req_to_token_pool.req_to_token
+        self.device = target_req_to_token.device
+        dtype = self.drafter.fc.weight.dtype
+        self.residual = torch.zeros(num_slots, cfg.hidden_size, dtype=dtype, device=self.device)
+        self.num_masks = cfg.draft_length
+        self.scratch_base = scratch_base
+
+    @staticmethod
+    def scratch_slots(max_batch: int, draft_length: int) -> int:
+        """Scratch slots the draft pool needs past the target's: the newest entry and the mask slots of
+        every request of the largest batch."""
+        return max_batch * (draft_length + 1)
+
+    @torch.no_grad()
+    def store_residuals(self, slots: torch.Tensor, aux_hidden: torch.Tensor) -> None:
+        """Fuse the target taps of freshly computed tokens into their slots."""
+        if slots.numel():
+            self.residual[slots] = self.drafter.fuse(aux_hidden.to(self.residual.dtype))
+
+    def slots_of(self, rows: list[int], first: list[int], last: list[int]) -> torch.Tensor:
+        """Target slots of positions first[r]..last[r] of each request r (req_to_token row rows[r]), grouped
+        per request (one gather on the device)."""
+        count_list = [b - a + 1 for a, b in zip(first, last, strict=True)]
+        counts, total = torch.tensor(count_list, dtype=torch.int64), sum(count_list)
+        index = torch.stack(
+            [
+                torch.tensor(rows, dtype=torch.int64).repeat_interleave(counts, output_size=total),
+                _ranges(torch.tensor(first, dtype=torch.int64), counts, total),
+            ]
+        )
+        rows_d, cols_d = upload(index, self.req_to_token.device)
+        return self.req_to_token[rows_d, cols_d].to(torch.int64)
+
+    @torch.no_grad()
+    def store_entries(
+        self, rows: list[int], first: list[int], last: list[int], next_tokens: list[int]
+    ) -> None:
+        """Store the K/V of entries first[r]..last[r]-1 of each request, as `step` would, with no attention,
+        head or mask slots (next_tokens as for `step`: grouped per request, the token after each entry)."""
+        positions: list[int] = []
+        tokens: list[int] = []
+        offset = 0
+        for a, b in zip(first, last, strict=True):  # the newest entry (b) has no slot yet
+            positions.extend(range(a, b))
+            tokens.extend(next_tokens[offset : offset + b - a])
+            offset += b - a + 1
+        if not positions:
+            return
+        positions_d, tokens_d = upload(torch.tensor([positions, tokens], dtype=torch.int64), self.device)
+        residual = self.residual[self.slots_of(rows, first, [b - 1 for b in last])]
+        _, k, v = self.drafter.project_qkv(self.drafter.real_inputs(residual, tokens_d), positions_d)
+        slots = self.slots_of(rows, [a + 1 for a in first], last)  # entry t lives in the slot of t + 1
+        pool = self.draft_runner.token_to_kv_pool
+        pool.set_kv_buffer(self.model.attn, KVWriteLoc(slots, None), k, v)
+
+    @torch.no_grad()
+    def step(
+        self,
+        rows: list[int],
+        first: list[int],
+        last: list[int],
+        next_tokens: list[int],
+        depths: int | None = None,
+    ) -> torch.Tensor:
+        """Draft entries first[r]..last[r] of each request r (req_to_token row rows[r]; their tokens must
+        have stored residuals; next_tokens holds, grouped per request, the token after each), then the mask
+        slots. Stores the K/V of every entry but the last one, returns logits [bs, D, draft_vocab]:
+        D = d + 1, or the first `depths` of those rows (mask slots attend causally, so a later slot never
+        changes an earlier row: the slots beyond them are not computed at all)."""
+        drafter, d = self.drafter, self.num_masks
+        if depths is not None:
+            d = max(0, min(d, depths - 1))
+        bs = len(first)
+        real_list = [b - a + 1 for a, b in zip(first, last, strict=True)]
+        num_real, total = sum(real_list), sum(real_list) + bs * d
+        extend_list = [m + d for m in real_list]
+        real_counts = torch.tensor(real_list, dtype=torch.int64)
+        counts = real_counts + d  # flat row layout: request r owns [real rows | d mask rows]
+        starts = torch.cumsum(counts, 0) - counts
+        first_t = torch.tensor(first, dtype=torch.int64)
+        last_t = torch.tensor(last, dtype=torch.int64)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        heads = (starts + real_counts - 1).unsqueeze(1) + torch.arange(d + 1).unsqueeze(0)
+        width = max(last)  # columns before the newest entry's: stored entries, copied from the target
+        # Scratch columns last[r]..last[r]+d of each row: the newest entry and the mask slots.
+        scratch_cols = (last_t.unsqueeze(1) + torch.arange(d + 1).unsqueeze(0)).reshape(-1)
+        scratch_slots = self.scratch_base + torch.arange(bs * (d + 1), dtype=torch.int64)
+        layout = upload(
+            torch.cat(
+                [
+                    torch.tensor(next_tokens, dtype=torch.int64),
+                    _ranges(starts, real_counts, num_real),
+                    _ranges(first_t, counts, total),
+                    heads.reshape(-1),
+                    rows_t,
+                    rows_t.repeat_interleave(counts, output_size=total),
+                    _ranges(first_t, counts, total),
+                    rows_t.repeat_interleave(d + 1),
+                    scratch_cols,
+                    scratch_slots,
+                    first_t,
+                    counts,
+                ]
+            ),
+            self.device,
+        )
+        (
+            tokens_d,
+            real_rows,
+            positions,
+            head_rows,
+            rows_d,
+            loc_rows,
+            loc_cols,
+            scratch_rows,
+            scratch_cols_d,
+            scratch_slots_d,
+            prefix_d,
+            extend_d,
+        ) = layout.split(
+            [len(next_tokens), num_real, total, bs * (d + 1), bs, total, total] + [bs * (d + 1)] * 3 + [bs, bs]
+        )
+
+        # The draft's request table: the target's rows shifted by one (entry t in the slot of t + 1),
+        # then scratch slots for the columns the step writes but never keeps.
+        table = self.draft_table
+        table[rows_d, :width] = self.req_to_token[rows_d, 1 : width + 1]
+        table[scratch_rows, scratch_cols_d] = scratch_slots_d.to(table.dtype)
+        out_cache_loc = table[loc_rows, loc_cols].to(torch.int64)
+
+        residual_real = self.residual[self.slots_of(rows, first, last)]
+        real_in = drafter.real_inputs(residual_real, tokens_d)
+        mask_in, mask_residual = drafter.mask_row(residual_real.dtype)
+        attn_in = mask_in.expand(total, -1).clone()
+        residual = mask_residual.expand(total, -1).clone()
+        attn_in[real_rows] = real_in
+        residual[real_rows] = residual_real
+        q, k, v = drafter.project_qkv(attn_in, positions)
+
+        batch = self._extend_batch(rows_d, prefix_d, extend_d, first, extend_list, out_cache_loc, positions)
+        backend = self.draft_runner.attn_backend
+        backend.init_forward_metadata(batch)
+        with forward_context(ForwardContext(attn_backend=backend)):
+            context = self.model.attend(q, k, v, batch)
+        logits = drafter.head(residual[head_rows], context[head_rows])
+        return logits.view(bs, d + 1, -1)
+
+    def _extend_batch(
+        self,
+        rows: torch.Tensor,
+        prefix: torch.Tensor,
+        extend: torch.Tensor,
+        prefix_list: list[int],
+        extend_list: list[int],
+        out_cache_loc: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> ForwardBatch:
+        """An EXTEND batch over the draft table: each request's new rows follow its cached entries."""
+        seq_list = [p + e for p, e in zip(prefix_list, extend_list, strict=True)]
+        total = sum(extend_list)
+        seq_lens = prefix + extend
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(prefix_list),
+            input_ids=torch.zeros(total, dtype=torch.int64, device=self.device),
+            req_pool_indices=rows,
+            seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc,
+            seq_lens_sum=sum(seq_list),
+            seq_lens_cpu=torch.tensor(seq_list, dtype=torch.int64),
+            positions=positions,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+        )
+        batch.extend_prefix_lens = prefix.to(torch.int32)
+        batch.extend_seq_lens = extend.to(torch.int32)
+        batch.extend_prefix_lens_cpu = list(prefix_list)
+        batch.extend_seq_lens_cpu = list(extend_list)
+        batch.extend_num_tokens = total
+        batch.extend_start_loc = (torch.cumsum(extend, 0) - extend).to(torch.int32)
+        return batch
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """The concatenation of arange(starts[r], starts[r] + counts[r]) over r (`total` elements), without a
+    Python loop. Host tensors."""
+    offsets = torch.cumsum(counts, 0) - counts
+    within = torch.arange(total) - offsets.repeat_interleave(counts, output_size=total)
+    return starts.repeat_interleave(counts, output_size=total) + within
