@@ -1,4 +1,5 @@
-"""One batched draft forward (`DraftRunner.step`) as a decode step runs it, by batch size and by the depth
+"""One batched draft forward (`DraftForward.step`, through SGLang's KV pool and the CPU attention backend)
+as a decode step runs it, by batch size and by the depth
 it drafts to. A step drafts only as deep as the next tree can reach (a tree of N nodes past its root is
 at most N deep), so trees of 4 need 3 of the d + 1 rows; this prints each depth's time and its ratio to
 the full depth, measured interleaved in one process.
@@ -17,11 +18,11 @@ import statistics
 import time
 
 import torch
+from transformers import LlamaConfig
 
-from sglang_dart.dart.draft_runner import DraftRunner
-from sglang_dart.drafter.config import DraftConfig
-from sglang_dart.drafter.model import DartDrafter
+from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 from sglang_dart.train.checkpoint import draft_config_dict
+from tests.support.draft_pools import draft_forward_over_pools
 
 SMOLLM2_135M = {
     "hidden_size": 576,
@@ -34,24 +35,27 @@ SMOLLM2_135M = {
 }
 
 
-def _drafter(dtype: torch.dtype, draft_length: int, draft_vocab: int) -> DartDrafter:
+def _drafter(dtype: torch.dtype, draft_length: int, draft_vocab: int) -> LlamaForCausalLMDart:
     config = draft_config_dict(SMOLLM2_135M, draft_length, draft_vocab)
     embed = torch.randn(SMOLLM2_135M["vocab_size"], SMOLLM2_135M["hidden_size"], dtype=dtype)
-    drafter = DartDrafter(DraftConfig.from_dict(config), embed).to(dtype).eval()
+    model = LlamaForCausalLMDart(LlamaConfig(**config)).to(dtype).eval()
+    model.attach_target(embed, SMOLLM2_135M["hidden_size"], SMOLLM2_135M["vocab_size"])
     with torch.no_grad():
-        drafter.midlayer.mask_rep.normal_()
-    return drafter
+        model.drafter.midlayer.mask_rep.normal_()
+    return model
 
 
-def _time_steps(args: argparse.Namespace, drafter: DartDrafter, bs: int, depths: list[int | None]) -> dict:
+def _time_steps(
+    args: argparse.Namespace, model: LlamaForCausalLMDart, bs: int, depths: list[int | None]
+) -> dict:
     """Median ms of a step per depth, the depths interleaved repeat by repeat."""
     hidden = SMOLLM2_135M["hidden_size"]
     max_len = args.prefix + args.accepted + 1
     req_to_token = (torch.arange(bs * max_len, dtype=torch.int32) + 1).view(bs, max_len)
-    runner = DraftRunner(drafter, req_to_token, bs * max_len + 1)
+    runner = draft_forward_over_pools(model, req_to_token, bs * max_len + 1)
     rpi = list(range(bs))
     slots = req_to_token[:, : args.prefix + args.accepted].reshape(-1).long()
-    runner.store_residuals(slots, torch.randn(slots.numel(), 3 * hidden, dtype=drafter.fc.weight.dtype))
+    runner.store_residuals(slots, torch.randn(slots.numel(), 3 * hidden, dtype=model.drafter.fc.weight.dtype))
     first = [args.prefix - 1] * bs
     last = [args.prefix + args.accepted - 1] * bs
     next_tokens = torch.randint(0, SMOLLM2_135M["vocab_size"], (bs * (args.accepted + 1),)).tolist()

@@ -169,7 +169,9 @@ class DraftForward:
             prefix_d,
             extend_d,
         ) = layout.split(
-            [len(next_tokens), num_real, total, bs * (d + 1), bs, total, total] + [bs * (d + 1)] * 3 + [bs, bs]
+            [len(next_tokens), num_real, total, bs * (d + 1), bs, total, total]
+            + [bs * (d + 1)] * 3
+            + [bs, bs]
         )
 
         # The draft's request table: the target's rows shifted by one (entry t in the slot of t + 1),

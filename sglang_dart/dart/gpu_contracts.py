@@ -102,7 +102,8 @@ def _verify_graph_returns_taps(spec_info: Any, runner: Any, *_args: Any, **_kwar
 
 def draft_bytes_per_slot(cfg: DraftConfig, dtype_bytes: int) -> int:
     """Bytes the drafter keeps per target KV slot: the fused residual (hidden) and the one layer's key
-    and value (kv heads x head dim each), in the target's dtype (the buffers of `DraftRunner`)."""
+    and value (kv heads x head dim each), in the target's dtype (`DraftForward.residual` and the draft
+    model runner's KV pool)."""
     return (cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim) * dtype_bytes
 
 

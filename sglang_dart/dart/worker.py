@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from sglang.srt.environ import envs
 from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -161,7 +162,14 @@ class DartWorker(NGRAMWorker):
             raise DartArgsError(f"3-gram store {path} was built with another tokenizer than the target's")
 
     def _load_draft_model(
-        self, server_args: Any, gpu_id: int, ps: Any, nccl_port: int, embed: torch.Tensor, hidden: int, vocab: int
+        self,
+        server_args: Any,
+        gpu_id: int,
+        ps: Any,
+        nccl_port: int,
+        embed: torch.Tensor,
+        hidden: int,
+        vocab: int,
     ) -> LlamaForCausalLMDart:
         """The drafter, loaded by SGLang's draft worker machinery into a draft `TpModelWorker` whose
         attention backend is the target's (one that verifies trees: `gpu_contracts`)."""
@@ -170,15 +178,18 @@ class DartWorker(NGRAMWorker):
         cfg = DraftConfig.from_dir(path)
         cfg.check_fits_target(hidden, vocab)
         prefill_backend, _ = server_args.get_attention_backends()
-        bundle = build_draft_tp_worker(
-            server_args=server_args,
-            gpu_id=gpu_id,
-            ps=ps,
-            nccl_port=nccl_port,
-            target_model_config=self.model_runner.model_config,
-            algo_label="DART",
-            attention_backend_override=server_args.attention_backend or prefill_backend,
-        )
+        # The draft follows the target's context length: its RoPE is computed for any position, so the
+        # checkpoint's max_position_embeddings (often below the target's) is no limit.
+        with envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN.override(True):
+            bundle = build_draft_tp_worker(
+                server_args=server_args,
+                gpu_id=gpu_id,
+                ps=ps,
+                nccl_port=nccl_port,
+                target_model_config=self.model_runner.model_config,
+                algo_label="DART",
+                attention_backend_override=server_args.attention_backend or prefill_backend,
+            )
         if not isinstance(bundle.draft_model, LlamaForCausalLMDart):
             raise DartArgsError(
                 f"draft checkpoint {path} loaded as {type(bundle.draft_model).__name__}, "
@@ -194,7 +205,10 @@ class DartWorker(NGRAMWorker):
         return self._draft_worker
 
     def alloc_memory_pool(
-        self, memory_pool_config: Any = None, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None
+        self,
+        memory_pool_config: Any = None,
+        req_to_token_pool: Any = None,
+        token_to_kv_pool_allocator: Any = None,
     ) -> None:
         """The draft pools, once SGLang has sized the target's: a one-layer KV pool over the same slots
         (plus scratch slots past them, `drafting`) and a request table of the draft's own."""

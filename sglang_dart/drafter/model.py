@@ -96,7 +96,7 @@ class DartDrafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     # The layer in pieces, shared by the single-request forward below and the batched serving path
-    # (sglang_dart.dart.draft_runner), which runs attention over SGLang's KV slots instead.
+    # (`sglang_dart.dart.drafting`), which runs attention through SGLang's backend instead.
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Residual stream of real positions: fc over the 3 concatenated target taps."""

@@ -53,7 +53,9 @@ class LlamaForCausalLMDart(nn.Module):
             target = self.drafter.get_buffer(name) if name == "d2t" else self.drafter.get_parameter(name)
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
-    def attach_target(self, embed_tokens: torch.Tensor, target_hidden_size: int, target_vocab_size: int) -> None:
+    def attach_target(
+        self, embed_tokens: torch.Tensor, target_hidden_size: int, target_vocab_size: int
+    ) -> None:
         """Share the target's embedding table, once the checkpoint is known to fit the target."""
         self.cfg.check_fits_target(target_hidden_size, target_vocab_size)
         check_embedding(embed_tokens, target_hidden_size, target_vocab_size)

@@ -1,23 +1,65 @@
-"""The batched draft runner over KV slots gives the single-request drafter's logits, step after step."""
+"""The batched draft forward through SGLang's KV pool and attention backend gives the single-request
+drafter's logits, step after step."""
 
 from __future__ import annotations
 
-import torch
+import json
+from typing import Any
 
-from sglang_dart.dart.draft_runner import DraftRunner
+import torch
+from transformers import LlamaConfig
+
+from sglang_dart.cpu.attention import TreeVerifyCpuAttnBackend
 from sglang_dart.drafter import load_drafter
+from sglang_dart.drafter.model import read_weights
+from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
+from tests.support.draft_pools import draft_forward_over_pools
 from tests.unit.test_drafter import H, V, _embedding, _write_checkpoint
 
 
+def _draft_model(path: Any, embed: torch.Tensor) -> LlamaForCausalLMDart:
+    """The drafter as SGLang's loader builds it: the class from config.json, weights through load_weights."""
+    config = LlamaConfig(**json.loads((path / "config.json").read_text()))
+    with torch.device(embed.device):
+        model = LlamaForCausalLMDart(config).float()
+    model.load_weights(read_weights(path).items())
+    model.attach_target(embed, H, V)
+    return model
+
+
+class _RecordingBackend:
+    """Stands in for FlashInfer on the meta device (no kernel runs there): keeps the batch it was given
+    and answers with zeros of the right shape on the queries' device."""
+
+    def __init__(self, runner: Any) -> None:
+        self.req_to_token_pool, self.token_to_kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
+        self.batch = None
+
+    def init_forward_metadata(self, batch: Any) -> None:
+        self.batch = batch
+
+    def forward(self, q, k, v, layer, batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        return torch.zeros_like(q)
+
+
+def _draft_forward(
+    path: Any, req_to_token: torch.Tensor, num_slots: int, backend: Any = TreeVerifyCpuAttnBackend
+):
+    return draft_forward_over_pools(
+        _draft_model(path, _embedding().to(req_to_token.device)), req_to_token, num_slots, backend
+    )
+
+
 def test_batched_steps_match_single_request_forward(tmp_path):
-    drafter = load_drafter(_write_checkpoint(tmp_path / "draft"), _embedding(), H, V, dtype=torch.float32)
+    path = _write_checkpoint(tmp_path / "draft")
+    drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
     gen = torch.Generator().manual_seed(5)
     num_slots, max_len = 200, 40
     perm = torch.randperm(num_slots - 1, generator=gen) + 1
     req_to_token = torch.zeros(4, max_len, dtype=torch.int32)
     req_to_token[1] = perm[:max_len].to(torch.int32)
     req_to_token[3] = perm[max_len : 2 * max_len].to(torch.int32)
-    runner = DraftRunner(drafter, req_to_token, num_slots)
+    runner = _draft_forward(path, req_to_token, num_slots)
     rpi = torch.tensor([1, 3])
     lengths = [7, 4]  # prompt lengths
     total = [14, 12]  # tokens known by the end of the test
@@ -55,12 +97,13 @@ def test_batched_steps_match_single_request_forward(tmp_path):
 def test_steps_that_only_store_entries_keep_later_drafts_exact(tmp_path):
     """Steps that draft nothing (tree size 1 at large batch sizes) store their entries' K/V only; a later
     full step must still see every entry of the prefix, as the single-request drafter does."""
-    drafter = load_drafter(_write_checkpoint(tmp_path / "draft"), _embedding(), H, V, dtype=torch.float32)
+    path = _write_checkpoint(tmp_path / "draft")
+    drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
     gen = torch.Generator().manual_seed(11)
     num_slots, max_len = 120, 30
     req_to_token = torch.zeros(2, max_len, dtype=torch.int32)
     req_to_token[0] = (torch.randperm(num_slots - 1, generator=gen)[:max_len] + 1).to(torch.int32)
-    runner = DraftRunner(drafter, req_to_token, num_slots)
+    runner = _draft_forward(path, req_to_token, num_slots)
     rpi = torch.tensor([0])
     tokens = torch.randint(0, V, (max_len + 1,), generator=gen)
     aux = torch.randn(max_len, 3 * H, generator=gen)
@@ -87,7 +130,8 @@ def test_a_shallower_step_gives_the_first_rows_of_the_full_step(tmp_path):
     """Drafting for a small tree computes fewer mask slots; the rows it returns are the full step's, and
     the K/V it stores are the same (mask slots are never stored), up to the rounding of a
     matrix product over fewer rows."""
-    drafter = load_drafter(_write_checkpoint(tmp_path / "draft"), _embedding(), H, V, dtype=torch.float32)
+    path = _write_checkpoint(tmp_path / "draft")
+    drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
     gen = torch.Generator().manual_seed(3)
     num_slots, max_len, prompt = 100, 20, 6
     req_to_token = torch.zeros(2, max_len, dtype=torch.int32)
@@ -98,11 +142,11 @@ def test_a_shallower_step_gives_the_first_rows_of_the_full_step(tmp_path):
     full_depth = drafter.cfg.draft_length + 1
     results = {}
     for depths in (None, 1, 3, full_depth, full_depth + 5):
-        runner = DraftRunner(drafter, req_to_token, num_slots)
+        runner = _draft_forward(path, req_to_token, num_slots)
         runner.store_residuals(req_to_token[0, :prompt].long(), aux)
         results[depths] = (
             runner.step(rpi.tolist(), [0], [prompt - 1], tokens[1:].tolist(), depths),
-            runner.keys.clone(),
+            runner.draft_runner.token_to_kv_pool.get_key_buffer(0)[:num_slots].clone(),
         )
     full, full_keys = results[None]
     assert full.shape[1] == full_depth
@@ -114,25 +158,25 @@ def test_a_shallower_step_gives_the_first_rows_of_the_full_step(tmp_path):
 
 
 def test_a_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_path):
-    """The runner, its buffers, the drafter and SGLang's req_to_token on the meta device (a device with
-    no data: reading a value back raises, and so does an op mixing a meta tensor with a host one), the
-    request layout in host lists as the worker passes it: a prefill draft, a draft after a verify and a
-    store-only step all run, and give logits of the right shape on that device."""
-    embed = _embedding().to("meta")  # the target's embedding: the drafter loads onto its device
-    drafter = load_drafter(_write_checkpoint(tmp_path / "draft"), embed, H, V, dtype=torch.float32)
+    """The draft model, SGLang's pools and req_to_token on the meta device (a device with no data: reading
+    a value back raises, and so does an op mixing a meta tensor with a host one), the request layout in
+    host lists as the worker passes it: a prefill draft, a draft after a verify and a store-only step all
+    run, give logits of the right shape on that device, and hand the attention backend an extend batch
+    whose tensors all live there."""
     req_to_token = torch.zeros(4, 40, dtype=torch.int32, device="meta")
-    runner = DraftRunner(drafter, req_to_token, 200)
-    assert runner.keys.device.type == "meta"
+    runner = _draft_forward(_write_checkpoint(tmp_path / "draft"), req_to_token, 200, _RecordingBackend)
+    assert runner.residual.device.type == "meta"
     rows = [1, 3]
     runner.store_residuals(
         torch.zeros(11, dtype=torch.int64, device="meta"), torch.zeros(11, 3 * H, device="meta")
     )
+    cfg = runner.model.cfg
     logits = runner.step(rows, [0, 0], [6, 3], list(range(11)))
-    assert logits.device.type == "meta" and logits.shape == (
-        2,
-        drafter.cfg.draft_length + 1,
-        drafter.cfg.draft_vocab_size,
-    )
+    assert logits.device.type == "meta" and logits.shape == (2, cfg.draft_length + 1, cfg.draft_vocab_size)
     logits = runner.step(rows, [6, 3], [9, 3], [1, 2, 3, 4, 5], depths=3)
     assert logits.shape[:2] == (2, 3)
+    batch = runner.draft_runner.attn_backend.batch
+    assert batch.extend_prefix_lens_cpu == [6, 3] and batch.extend_seq_lens_cpu == [4 + 2, 1 + 2]
+    for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens"):
+        assert getattr(batch, name).device.type == "meta", name
     runner.store_entries(rows, [9, 3], [10, 5], [1, 2, 3, 4, 5])
