@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
 from sglang_dart.cpu.attention import TreeVerifyCpuAttnBackend
-from sglang_dart.drafter import load_drafter
+from sglang_dart.drafter import DraftConfigError, load_drafter
 from sglang_dart.drafter.model import read_weights
 from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 from tests.support.draft_pools import draft_forward_over_pools
@@ -180,3 +181,25 @@ def test_a_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_pa
     for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens"):
         assert getattr(batch, name).device.type == "meta", name
     runner.store_entries(rows, [9, 3], [10, 5], [1, 2, 3, 4, 5])
+
+
+def test_sglang_model_loads_the_published_layout_and_refuses_what_does_not_fit(tmp_path):
+    """The model class SGLang's loader builds takes the checkpoint's tensors as published (t2d ignored),
+    gives the training drafter's logits, and names what does not fit: a tensor of the wrong shape, a
+    target of another hidden size or vocabulary."""
+    path = _write_checkpoint(tmp_path / "draft")
+    model = _draft_model(path, _embedding())
+    reference = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
+    aux, tokens = torch.randn(5, 3 * H), torch.randint(0, V, (5,))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.drafter(aux, tokens, start_pos=0).logits, reference(aux, tokens, start_pos=0).logits
+        )
+    tensors = read_weights(path)
+    tensors["fc.weight"] = tensors["fc.weight"][:, :-1]
+    with pytest.raises(DraftConfigError, match="fc.weight"):
+        model.load_weights(tensors.items())
+    with pytest.raises(DraftConfigError, match="hidden_size"):
+        model.attach_target(torch.zeros(V, H + 1), H + 1, V)
+    with pytest.raises(DraftConfigError, match="vocab"):
+        model.attach_target(torch.zeros(V + 1, H), H, V + 1)
