@@ -18,10 +18,12 @@ accepted tokens is still stored, so drafting can resume at any later step.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,7 +60,7 @@ from sglang_dart.dart.sampling import (
 from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config, tree_size_schedule
 from sglang_dart.dart.verify_mask import full_verify_mask
 from sglang_dart.drafter import DraftConfig
-from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
+from sglang_dart.drafter.sglang_model import ARCHITECTURE, LlamaForCausalLMDart
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
 from sglang_dart.pruner import prune_batch
 
@@ -177,6 +179,12 @@ class DartWorker(NGRAMWorker):
         # Checked before SGLang reads the directory, for an error that names what does not fit.
         cfg = DraftConfig.from_dir(path)
         cfg.check_fits_target(hidden, vocab)
+        architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+        if ARCHITECTURE not in architectures:
+            raise DartArgsError(
+                f"draft checkpoint {path} names architectures {architectures}; SGLang loads DART's draft "
+                f'layer for "architectures": ["{ARCHITECTURE}"] in config.json (the published name)'
+            )
         prefill_backend, _ = server_args.get_attention_backends()
         # The draft follows the target's context length: its RoPE is computed for any position, so the
         # checkpoint's max_position_embeddings (often below the target's) is no limit.
@@ -190,11 +198,8 @@ class DartWorker(NGRAMWorker):
                 algo_label="DART",
                 attention_backend_override=server_args.attention_backend or prefill_backend,
             )
-        if not isinstance(bundle.draft_model, LlamaForCausalLMDart):
-            raise DartArgsError(
-                f"draft checkpoint {path} loaded as {type(bundle.draft_model).__name__}, "
-                "not DART's draft layer: its config.json must name the LlamaForCausalLMDart architecture"
-            )
+        if not isinstance(bundle.draft_model, LlamaForCausalLMDart):  # the registry must have been set up
+            raise DartArgsError(f"draft checkpoint {path} loaded as {type(bundle.draft_model).__name__}")
         self._draft_worker = bundle.draft_worker
         self.draft_model_runner = bundle.draft_model_runner
         bundle.draft_model.attach_target(embed, hidden, vocab)

@@ -721,6 +721,9 @@ def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_
     # A drafter trained for another target: hidden size and vocabulary do not fit.
     foreign_draft = build_random_drafter(tmp_path / "smol-draft", smollm2_f32_dir)
     assert "hidden_size" in _launch_dart(tiny_qwen3_dir, foreign_draft, store)
+    # A drafter whose config.json names another architecture: SGLang would load another model class.
+    other_arch = build_random_drafter(tmp_path / "arch", tiny_qwen3_dir, architectures=["LlamaForCausalLM"])
+    assert "LlamaForCausalLMDart" in _launch_dart(tiny_qwen3_dir, other_arch, store)
     # A store built with another tokenizer (SmolLM2's, 49152 ids) for the tiny Qwen3 (512 ids).
     foreign_store = build_store_for(smollm2_f32_dir, tmp_path / "smol.store", texts=["def f(x): return x"])
     assert "vocabulary" in _launch_dart(tiny_qwen3_dir, draft, foreign_store)
