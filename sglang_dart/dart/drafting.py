@@ -20,10 +20,14 @@ finds every entry of its prefix in place.
 
 Device contract: row layouts are computed on the host from the callers' Python lists and uploaded in one
 tensor (non-blocking where the memory allows); nothing is read back from the device.
+
+`Drafting` is the step's drafting phase: after a prefill or a verify, it stores the draft state of the
+tokens the step committed and drafts from them (`DraftForward`), and keeps the candidates (`Trees`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -32,6 +36,8 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
 from sglang_dart.attention.tree_attention import upload
+from sglang_dart.dart.phase_timer import PhaseTimer
+from sglang_dart.dart.trees import Trees, last_tokens
 from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 
 
@@ -231,6 +237,88 @@ class DraftForward:
         batch.extend_num_tokens = total
         batch.extend_start_loc = (torch.cumsum(extend, 0) - extend).to(torch.int32)
         return batch
+
+
+class Drafting:
+    def __init__(self, forward: DraftForward, trees: Trees, timer: PhaseTimer) -> None:
+        self.forward = forward
+        self.trees = trees
+        self.timer = timer
+
+    def after_extend(self, batch: Any, taps: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Draft from a prefill: every extended token's residual is stored, then one draft step per request
+        over its new entries (the entry before the chunk too: its next token was not known before)."""
+        runner = self.forward
+        rows = [req.req_pool_idx for req in batch.reqs]
+        firsts, lasts, nexts, roots, contexts, prefixes, ends = [], [], [], [], [], [], []
+        sampled_ids = sampled.tolist()  # the one read of a prefill before its candidates
+        for i, req in enumerate(batch.reqs):
+            prefix, extend = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
+            end = prefix + extend
+            prefixes.append(prefix)
+            ends.append(end - 1)
+            seq = list(req.origin_input_ids) + list(req.output_ids)
+            after = seq[end] if end < len(seq) else sampled_ids[i]  # next prompt token, or the first output
+            tail = seq[:end] + [after]
+            first = max(prefix - 1, 0)
+            firsts.append(first)
+            lasts.append(end - 1)
+            nexts.extend(tail[first + 1 : end + 1])
+            roots.append(after)
+            contexts.append(([-1, -1] + tail)[-3:-1])
+        # The taps rows are the extend tokens of every request, in batch order: one fused write for all.
+        with self.timer.phase("draft"):
+            runner.store_residuals(runner.slots_of(rows, prefixes, ends), taps[: sum(batch.extend_lens)])
+            logits = runner.step(rows, firsts, lasts, nexts)
+        self.trees.keep(batch.reqs, logits, roots, contexts)
+
+    def after_verify(
+        self,
+        batch: Any,
+        taps: torch.Tensor,
+        committed_lens: list[int],
+        drafts: list[int],
+        accept_rows: list[list[int]],
+        lens: list[int],
+        predicted: list[int],
+        depths: int | None,
+    ) -> float:
+        """Store the draft state of the tokens a step committed and, when the next step builds trees
+        (`depths`: how deep they can reach), draft from them; returns the seconds drafting took.
+        committed_lens: each request's KV length before the step (its root's position); drafts: the
+        verified tokens (flat); accept_rows[i][: lens[i]]: request i's accepted rows of them, root first;
+        predicted: the target's token after each row. The per-request walk runs on host lists (a tensor
+        op per request would cost more than a root-only step saves at large batches)."""
+        runner = self.forward
+        rows = [req.req_pool_idx for req in batch.reqs]
+        firsts, lasts, nexts, roots, contexts, paths, slot_rows, slot_cols = [], [], [], [], [], [], [], []
+        for i, (req, committed, row) in enumerate(zip(batch.reqs, committed_lens, rows, strict=True)):
+            path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
+            paths.extend(path)
+            slot_rows.extend([row] * len(path))
+            slot_cols.extend(range(committed, committed + len(path)))
+            new_tokens = [drafts[j] for j in path]
+            bonus = predicted[path[-1]]
+            firsts.append(committed - 1)
+            lasts.append(committed + len(path) - 1)
+            nexts.extend(new_tokens + [bonus])
+            roots.append(bonus)
+            history = last_tokens(req, 2)
+            contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
+        index = upload(torch.tensor([slot_rows, slot_cols, paths], dtype=torch.int64), taps.device)
+        slots = runner.req_to_token[index[0], index[1]].to(torch.int64)
+        with self.timer.phase("draft"):
+            runner.store_residuals(slots, taps[index[2]])  # one write
+            drafting_from = time.perf_counter()
+            if depths is not None:
+                logits = runner.step(rows, firsts, lasts, nexts, depths)
+            else:
+                runner.store_entries(rows, firsts, lasts, nexts)
+        if depths is None:
+            self.trees.drop(batch.reqs)
+            return 0.0
+        self.trees.keep(batch.reqs, logits, roots, contexts)
+        return time.perf_counter() - drafting_from
 
 
 def _ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:

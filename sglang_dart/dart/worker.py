@@ -14,6 +14,10 @@ the stride from each step's result.
 At size 1 a step verifies the root alone: it runs as SGLang's own decode forward and sampler (or as a
 size-1 verify with decode graphs, logprobs or a grammar) and skips the draft forward; the draft K/V of the
 accepted tokens is still stored, so drafting can resume at any later step.
+
+The step's phases live apart: `trees.py` (candidates, the pruner call, the verify input), `drafting.py`
+(the draft forward through SGLang's draft model runner); this module orchestrates them, verifies and
+accepts.
 """
 
 from __future__ import annotations
@@ -22,60 +26,47 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
-from sglang.srt.speculative.ngram_worker import NGRAMWorker, _derive_tree_links
+from sglang.srt.speculative.ngram_worker import NGRAMWorker
 from sglang.srt.speculative.spec_utils import (
-    GrammarTree,
-    build_grammar_vocab_mask,
     move_accept_tokens_to_target_kvcache,
 )
 
 from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import StepClock
-from sglang_dart.dart.drafting import DraftForward
+from sglang_dart.dart.drafting import DraftForward, Drafting
 from sglang_dart.dart.penalties import apply_node_penalties, penalized
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.sampling import (
     apply_custom_processors,
     needs_pinning,
-    node_paths,
     pin_logits_to_samples,
 )
 from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config, tree_size_schedule
-from sglang_dart.dart.verify_mask import full_verify_mask
+from sglang_dart.dart.trees import Trees, last_tokens
 from sglang_dart.drafter import DraftConfig
 from sglang_dart.drafter.sglang_model import ARCHITECTURE, LlamaForCausalLMDart
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
-from sglang_dart.pruner import prune_batch
 
 logger = logging.getLogger(__name__)
 
 # SGLANG_DART_CHECKS=1 (the tests set it): assert bookkeeping invariants every step; a broken one ends the
 # server instead of quietly degrading the drafts (which would cost speed, never correctness).
 CHECKS_ENV = "SGLANG_DART_CHECKS"
-
-
-def _last_tokens(req: Any, n: int) -> list[int]:
-    """The last n tokens of prompt + output, without copying the whole sequence."""
-    tail = list(req.output_ids[-n:])
-    missing = n - len(tail)
-    return (list(req.origin_input_ids[-missing:]) if missing else []) + tail
 
 
 def _committed_lens(reqs: list[Any]) -> list[int]:
@@ -91,17 +82,6 @@ def _check_roots_follow_the_cache(reqs: list[Any], committed_lens: list[int], se
             raise AssertionError(
                 f"DART: request {req.rid} has {committed + 1} tokens but a committed KV length of {kv_len}"
             )
-
-
-@dataclass(frozen=True)
-class DraftCandidates:
-    """One request's draft output, kept for the next step's pruner: the target ids and probabilities of the
-    top-k per depth, the root (the request's last token) and the two tokens before it."""
-
-    tokens: np.ndarray  # [D, k] int64
-    probs: np.ndarray  # [D, k] float32
-    root: int
-    context: tuple[int, int]
 
 
 class DartWorker(NGRAMWorker):
@@ -120,33 +100,38 @@ class DartWorker(NGRAMWorker):
         self.speculative_num_draft_tokens = self.draft_token_num
         self.speculative_num_steps = server_args.speculative_num_steps
         self.topk = server_args.speculative_eagle_topk  # 1: see settings; the pruner's k is below
-        self.candidates = candidates_per_depth()
         self.adaptive_controller = None
-        self.grammar_tree_host = None  # NGRAM's; DART keeps every step's trees in tree_host instead
-        self.tree_host: tuple[np.ndarray, np.ndarray] | None = None  # this step's masks and tokens
+        self.grammar_tree_host = None  # NGRAM's; DART keeps every step's trees in `trees.host` instead
 
         model, model_config = self.model_runner.model, self.model_runner.model_config
         if not hasattr(model, "set_eagle3_layers_to_capture"):
             raise DartArgsError(f"target {type(model).__name__} cannot expose hidden states to the drafter")
         model.set_eagle3_layers_to_capture()  # taps entering layers 2, L//2, L-3: DART's
         vocab, hidden = model_config.vocab_size, model_config.hidden_size
-        if vocab >= 1 << 24:  # draft candidates cross to the host as float32 ids (`_keep_candidates`)
+        if vocab >= 1 << 24:  # draft candidates cross to the host as float32 ids (`Trees.keep`)
             raise DartArgsError(f"DART supports vocabularies below 2**24 tokens, not {vocab}")
         embed = model.model.embed_tokens.weight[:vocab]
         self.draft_model = self._load_draft_model(server_args, gpu_id, ps, nccl_port, embed, hidden, vocab)
         self.drafter = self.draft_model.drafter
         self.store = NgramStore(server_args.speculative_ngram_external_corpus_path)
         self._check_store(target_worker.tokenizer, vocab)
-        self.pruner_config = pruner_config(server_args)
         self.tree_sizes = tree_size_schedule(server_args, self.model_runner.dtype)
         logger.info("DART tree size by batch size: %s", self.tree_sizes.describe())
         self.step_clock = StepClock()  # step times for an adaptive schedule
         self._planned_size: int | None = None  # chosen when the step before drafted (or did not)
         self._drafting_seconds = 0.0
         eos = getattr(model_config, "hf_eos_token_id", None) or []
-        self.eos_ids = sorted({int(t) for t in (eos if not isinstance(eos, int) else [eos])})
-        self._candidates: dict[str, DraftCandidates] = {}
-        self.runner: DraftForward | None = None
+        self.trees = Trees(
+            self.drafter,
+            self.store,
+            pruner_config(server_args),
+            sorted({int(t) for t in (eos if not isinstance(eos, int) else [eos])}),
+            vocab,
+            candidates_per_depth(),
+            self.device,
+            self.timer,
+        )
+        self.drafting: Drafting | None = None  # once SGLang has allocated the pools
         self.checks = os.environ.get(CHECKS_ENV) == "1"
         self._step_kind = "prefill"  # what the last step was, for the host-read budget
 
@@ -239,9 +224,10 @@ class DartWorker(NGRAMWorker):
         draft_kv = self.draft_model_runner.token_to_kv_pool
         if draft_kv.get_key_buffer(0).shape[0] < num_slots + scratch:
             raise AssertionError("DART: the draft KV pool has no room for its scratch slots")
-        self.runner = DraftForward(
+        forward = DraftForward(
             self.draft_model, self.draft_model_runner, target_pool.req_to_token, num_slots, num_slots
         )
+        self.drafting = Drafting(forward, self.trees, self.timer)
 
     def init_attention_backends(self) -> None:
         self._draft_worker.init_attention_backends()
@@ -255,7 +241,7 @@ class DartWorker(NGRAMWorker):
         verify tensors are made per step instead (`_prepare_for_speculative_decoding`)."""
 
     def clear_cache_pool(self) -> None:
-        self._candidates.clear()
+        self.trees.candidates.clear()
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
         raise ValueError("DART reads its 3-gram store from --speculative-ngram-external-corpus-path only")
@@ -266,195 +252,25 @@ class DartWorker(NGRAMWorker):
     def list_external_corpora(self) -> dict[str, int]:
         return {}
 
-    # --- trees ---------------------------------------------------------------------------------------
+    # --- trees ----------------------------------------------------------------------------------------
 
     def _step_size(self, batch: Any) -> int:
-        """This step's tree size: the schedule's for the batch size, or 1 (the root alone) when some request
-        has no current candidates, e.g. the step after one that drafted nothing."""
-        size = self._planned_size or self.tree_sizes.size_for(len(batch.reqs))
-        if size > 1:
-            for req in batch.reqs:
-                cand = self._candidates.get(req.rid)
-                if cand is None or cand.root != _last_tokens(req, 1)[0]:
-                    return 1
-        return size
-
-    def _trees(self, batch: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Flat node tokens [bs * size] and ancestor masks [bs * size * size] of this step's trees."""
-        if size == 1:
-            roots = [_last_tokens(req, 1)[0] for req in batch.reqs]
-            return np.asarray(roots, dtype=np.int64), np.ones(len(roots), dtype=bool)
-        cands = [self._candidates[req.rid] for req in batch.reqs]
-        # Requests drafted at different steps may have been drafted to different depths.
-        depths = min(c.tokens.shape[0] for c in cands)
-        trees = prune_batch(
-            np.stack([c.tokens[:depths] for c in cands]),
-            np.stack([c.probs[:depths] for c in cands]),
-            np.asarray([c.root for c in cands], dtype=np.int64),
-            np.asarray([c.context for c in cands], dtype=np.int64),
-            self.eos_ids,
-            config=replace(self.pruner_config, num_nodes=size - 1),
-            store=self.store,
-            vocab_size=self.model_runner.model_config.vocab_size,
+        """This step's tree size: the schedule's for the batch size (or the size the step before planned),
+        or 1 when some request has no current candidates."""
+        return self.trees.size_for_step(
+            batch, self._planned_size or self.tree_sizes.size_for(len(batch.reqs))
         )
-        return trees.tokens.reshape(-1), trees.tree_mask.reshape(-1)
-
-    def _grammar_mask(self, batch: Any, size: int) -> Any:
-        """Per-node vocabulary mask of grammar-constrained requests, walked over this step's trees."""
-        if not batch.has_grammar or self.tree_host is None:
-            return None
-        mask, req_drafts = self.tree_host
-        bs = len(batch.reqs)
-        next_token, next_sibling = _derive_tree_links(mask, bs, size)
-        drafts = torch.from_numpy(req_drafts).to(torch.int64).view(bs, -1)
-        return build_grammar_vocab_mask(
-            reqs=batch.reqs,
-            tree=GrammarTree.from_host(next_token, next_sibling, drafts),
-            sampling_info=batch.sampling_info,
-            device=batch.seq_lens.device,
-            barrier=None,
-        )
-
-    def _node_paths(self, bs: int, size: int) -> list[list[list[int]]]:
-        """The drafts on the path to every node of this step's trees (see `sampling.node_paths`)."""
-        mask, tokens = self.tree_host
-        return node_paths(mask.reshape(bs, size, size), tokens.reshape(bs, size))
 
     def _prepare_for_speculative_decoding(self, batch: Any, size: int | None = None) -> None:
-        """Turn a decode batch into a TARGET_VERIFY batch over this step's trees (NGRAM's verify layout,
-        sized per step instead of per server)."""
-        if not batch.forward_mode.is_decode():
-            return
-        bs = len(batch.reqs)
-        size = self._step_size(batch) if size is None else size
-        with self.timer.phase("prune"):
-            tokens, mask = self._trees(batch, size)
-        draft_tokens = upload(torch.from_numpy(tokens), self.device)
-        tree_mask = upload(torch.from_numpy(mask), self.device)
-        positions = torch.empty(bs * size, dtype=torch.int64, device=self.device)
-        retrieve = [torch.empty((bs, size), dtype=torch.int64, device=self.device) for _ in range(3)]
-        ngram.reconstruct_indices_from_tree_mask(tree_mask, batch.seq_lens, positions, *retrieve, bs, size)
-        self.tree_host = (mask, tokens)
-        if ngram.USE_FULL_MASK and not ngram._is_cpu:
-            custom_mask = full_verify_mask(mask.reshape(bs, size, size), batch.seq_lens_cpu, self.device)
-        else:
-            custom_mask = tree_mask
+        if batch.forward_mode.is_decode():
+            self.trees.to_verify(batch, self._step_size(batch) if size is None else size)
 
-        batch.forward_mode = ForwardMode.TARGET_VERIFY
-        batch.input_ids = draft_tokens
-        batch.out_cache_loc = ngram.assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices,
-            req_to_token=batch.req_to_token_pool.req_to_token,
-            start_offset=batch.seq_lens,
-            end_offset=batch.seq_lens + size,
-            batch_size=bs,
-            draft_token_num=size,
-            device=self.device,
-        )
-        ngram.prepare_mamba_track_for_verify(batch)
-        batch.spec_info = NgramVerifyInput(
-            draft_token=draft_tokens,
-            custom_mask=custom_mask,
-            positions=positions,
-            retrieve_index=retrieve[0],
-            retrieve_next_token=retrieve[1],
-            retrieve_next_sibling=retrieve[2],
-            draft_token_num=size,
-        )
-        batch.spec_info.capture_hidden_mode = CaptureHiddenMode.FULL  # the drafter reads the taps
-
-    def _keep_candidates(
-        self, batch: Any, logits: torch.Tensor, roots: list[int], contexts: list[list[int]]
-    ) -> None:
-        with self.timer.phase("topk"):
-            # top-k in the draft's dtype: upcasting every row of the draft vocabulary first cost more
-            # than the top-k itself; only the k kept values need float32.
-            top = torch.topk(logits, self.candidates, dim=-1)
-            probs = torch.softmax(top.values.float(), dim=-1)  # over the top-k (reference)
-            ids = self.drafter.draft_to_target(top.indices).float()  # exact: vocabularies < 2**24
-            # The pruner's inputs cross to the host in one transfer.
-            both = torch.stack([probs, ids]).cpu().numpy()
-            probs, tokens = both[0], both[1].astype(np.int64)
-        for i, req in enumerate(batch.reqs):
-            self._candidates[req.rid] = DraftCandidates(
-                tokens[i], probs[i], int(roots[i]), (int(contexts[i][0]), int(contexts[i][1]))
-            )
-
-    def _draft_after_extend(self, batch: Any, taps: torch.Tensor, sampled: torch.Tensor) -> None:
-        runner = self.runner
-        rows = [req.req_pool_idx for req in batch.reqs]
-        firsts, lasts, nexts, roots, contexts, prefixes, ends = [], [], [], [], [], [], []
-        sampled_ids = sampled.tolist()  # the one read of a prefill before its candidates
-        for i, req in enumerate(batch.reqs):
-            prefix, extend = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
-            end = prefix + extend
-            prefixes.append(prefix)
-            ends.append(end - 1)
-            seq = list(req.origin_input_ids) + list(req.output_ids)
-            after = seq[end] if end < len(seq) else sampled_ids[i]  # next prompt token, or the first output
-            tail = seq[:end] + [after]
-            first = max(prefix - 1, 0)
-            firsts.append(first)
-            lasts.append(end - 1)
-            nexts.extend(tail[first + 1 : end + 1])
-            roots.append(after)
-            contexts.append(([-1, -1] + tail)[-3:-1])
-        # The taps rows are the extend tokens of every request, in batch order: one fused write for all.
-        with self.timer.phase("draft"):
-            runner.store_residuals(runner.slots_of(rows, prefixes, ends), taps[: sum(batch.extend_lens)])
-            logits = runner.step(rows, firsts, lasts, nexts)
-        self._keep_candidates(batch, logits, roots, contexts)
-
-    def _draft_after_verify(
-        self,
-        batch: Any,
-        taps: torch.Tensor,
-        committed_lens: list[int],
-        drafts: list[int],
-        accept_rows: list[list[int]],
-        lens: list[int],
-        predicted: list[int],
-    ) -> None:
-        """Store the draft state of the tokens a step committed and draft from them. committed_lens: each
-        request's KV length before the step (its root's position); drafts: the verified tokens (flat);
-        accept_rows[i][: lens[i]]: request i's accepted rows of them, root first; predicted: the target's
-        token after each row. The per-request walk runs on host lists (a tensor
-        op per request would cost more than a root-only step saves at large batches)."""
-        runner = self.runner
-        rows = [req.req_pool_idx for req in batch.reqs]
-        firsts, lasts, nexts, roots, contexts, paths, slot_rows, slot_cols = [], [], [], [], [], [], [], []
-        for i, (req, committed, row) in enumerate(zip(batch.reqs, committed_lens, rows, strict=True)):
-            path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
-            paths.extend(path)
-            slot_rows.extend([row] * len(path))
-            slot_cols.extend(range(committed, committed + len(path)))
-            new_tokens = [drafts[j] for j in path]
-            bonus = predicted[path[-1]]
-            firsts.append(committed - 1)
-            lasts.append(committed + len(path) - 1)
-            nexts.extend(new_tokens + [bonus])
-            roots.append(bonus)
-            history = _last_tokens(req, 2)
-            contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
-        index = upload(torch.tensor([slot_rows, slot_cols, paths], dtype=torch.int64), taps.device)
-        slots = runner.req_to_token[index[0], index[1]].to(torch.int64)
-        # The next step's size is chosen now: a root-only step needs no draft forward.
+    def _draft_after_verify(self, batch: Any, *args: Any) -> None:
+        """The drafting phase after a verify: the next step's size is chosen now, and a root-only step
+        needs no draft forward (a tree of N nodes past its root is at most N deep)."""
         self._planned_size = self.tree_sizes.size_for(len(batch.reqs))
-        draft = self._planned_size > 1
-        with self.timer.phase("draft"):
-            runner.store_residuals(slots, taps[index[2]])  # one write
-            drafting_from = time.perf_counter()
-            if draft:  # a tree of N nodes past its root is at most N deep: deeper rows go unused
-                logits = runner.step(rows, firsts, lasts, nexts, self._planned_size - 1)
-            else:
-                runner.store_entries(rows, firsts, lasts, nexts)
-        if draft:
-            self._keep_candidates(batch, logits, roots, contexts)
-            self._drafting_seconds = time.perf_counter() - drafting_from
-        else:
-            self._drafting_seconds = 0.0
-            for req in batch.reqs:
-                self._candidates.pop(req.rid, None)
+        depths = self._planned_size - 1 if self._planned_size > 1 else None
+        self._drafting_seconds = self.drafting.after_verify(batch, *args, depths)
 
     def _verify_trees(
         self, batch: Any, logits_output: Any, verify_input: Any, size: int
@@ -464,14 +280,14 @@ class DartWorker(NGRAMWorker):
         decoding applies to a token's logits is applied per node: the grammar, exact penalties, logit
         bias and custom processors; sampled and processed nodes are pinned to their choice."""
         logits = logits_output.next_token_logits
-        grammar_mask = self._grammar_mask(batch, size)
+        grammar_mask = self.trees.grammar_mask(batch, size)
         if grammar_mask is not None:  # before sampling: draws come from the constrained target
             grammar_mask.apply(logits)
         sampling_info = batch.sampling_info
         exact_penalties = penalized(batch.reqs)
         paths = None
         if exact_penalties or sampling_info.has_custom_logit_processor:
-            paths = self._node_paths(len(batch.reqs), size)
+            paths = self.trees.node_paths(len(batch.reqs), size)
         if exact_penalties:  # in place of the relaxed per-request ones SGLang keeps for speculation
             apply_node_penalties(logits, batch.reqs, paths)
             sampling_info = replace(sampling_info, acc_additive_penalties=None, acc_scaling_penalties=None)
@@ -560,12 +376,12 @@ class DartWorker(NGRAMWorker):
                 batch,
                 taps,
                 _committed_lens(batch.reqs),
-                self.tree_host[1].tolist(),
+                self.trees.host[1].tolist(),
                 [rows[i * size : (i + 1) * size] for i in range(bs)],
                 lens,
                 host[bs + bs * size :],
             )
-            self._forget_departed(batch)
+            self.trees.keep_only(batch.reqs)
             self.step_clock.finish(started, bs, size, sum(lens), self._drafting_seconds)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
@@ -587,7 +403,7 @@ class DartWorker(NGRAMWorker):
             if on_publish is not None:
                 on_publish(new_seq_lens)
             if bs:
-                self._draft_after_extend(batch, logits_output.hidden_states, next_token_ids)
+                self.drafting.after_extend(batch, logits_output.hidden_states, next_token_ids)
             self.timer.prefill_done(time.perf_counter() - started)
 
         return self._step_result(
@@ -643,7 +459,7 @@ class DartWorker(NGRAMWorker):
         self._step_kind = "root-only"
         bs = len(batch.reqs)
         committed = batch.seq_lens
-        roots = [_last_tokens(req, 1)[0] for req in batch.reqs]
+        roots = [last_tokens(req, 1)[0] for req in batch.reqs]
         with self.timer.phase("prepare"):
             batch.input_ids = upload(torch.tensor(roots, dtype=torch.int64), self.device)
             req_to_token = batch.req_to_token_pool.req_to_token
@@ -674,7 +490,7 @@ class DartWorker(NGRAMWorker):
             [1] * bs,
             next_token_ids.tolist(),  # the one read of a root-only step
         )
-        self._forget_departed(batch)
+        self.trees.keep_only(batch.reqs)
         self.step_clock.finish(started, bs, 1, bs, self._drafting_seconds)
         self.timer.step_done(bs)
         accept_tokens = self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten()
@@ -687,10 +503,3 @@ class DartWorker(NGRAMWorker):
         wide = rows.new_zeros(rows.shape[0], self.draft_token_num)
         wide[:, : rows.shape[1]] = rows
         return wide
-
-    def _forget_departed(self, batch: Any) -> None:
-        # A decode batch holds every running request (DART runs without mixed or overlapped batches), so
-        # candidates of any other request belong to one that finished, was aborted or was retracted.
-        current = {req.rid for req in batch.reqs}
-        for rid in [rid for rid in self._candidates if rid not in current]:
-            del self._candidates[rid]

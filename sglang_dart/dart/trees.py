@@ -1,0 +1,191 @@
+"""DART's trees: the draft candidates each request keeps between steps, the one Rust pruner call that turns
+them into this step's trees, and the TARGET_VERIFY input SGLang verifies them with.
+
+Candidates cross to the host once per draft (top-k ids and probabilities of every request in one
+transfer); the trees are built on the host and uploaded. That round trip is the only host-device crossing
+DART adds to a step (README, "Host-device traffic").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.speculative import ngram_worker as ngram
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+from sglang.srt.speculative.ngram_worker import _derive_tree_links
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
+
+from sglang_dart.attention.tree_attention import upload
+from sglang_dart.dart.phase_timer import PhaseTimer
+from sglang_dart.dart.sampling import node_paths
+from sglang_dart.dart.verify_mask import full_verify_mask
+from sglang_dart.drafter import DartDrafter
+from sglang_dart.ngram import NgramStore
+from sglang_dart.pruner import PrunerConfig, prune_batch
+
+
+def last_tokens(req: Any, n: int) -> list[int]:
+    """The last n tokens of prompt + output, without copying the whole sequence."""
+    tail = list(req.output_ids[-n:])
+    missing = n - len(tail)
+    return (list(req.origin_input_ids[-missing:]) if missing else []) + tail
+
+
+@dataclass(frozen=True)
+class DraftCandidates:
+    """One request's draft output, kept for the next step's pruner: the target ids and probabilities of the
+    top-k per depth, the root (the request's last token) and the two tokens before it."""
+
+    tokens: np.ndarray  # [D, k] int64
+    probs: np.ndarray  # [D, k] float32
+    root: int
+    context: tuple[int, int]
+
+
+class Trees:
+    def __init__(
+        self,
+        drafter: DartDrafter,
+        store: NgramStore,
+        config: PrunerConfig,
+        eos_ids: list[int],
+        vocab_size: int,
+        candidates_per_depth: int,
+        device: Any,
+        timer: PhaseTimer,
+    ) -> None:
+        self.drafter = drafter
+        self.store = store
+        self.config = config
+        self.eos_ids = eos_ids
+        self.vocab_size = vocab_size
+        self.candidates_per_depth = candidates_per_depth
+        self.device = device
+        self.timer = timer
+        self.candidates: dict[str, DraftCandidates] = {}
+        self.host: tuple[np.ndarray, np.ndarray] | None = None  # this step's masks and tokens
+
+    def size_for_step(self, batch: Any, planned: int) -> int:
+        """The planned tree size, or 1 (the root alone) when some request has no current candidates, e.g.
+        the step after one that drafted nothing."""
+        if planned > 1:
+            for req in batch.reqs:
+                cand = self.candidates.get(req.rid)
+                if cand is None or cand.root != last_tokens(req, 1)[0]:
+                    return 1
+        return planned
+
+    def build(self, batch: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Flat node tokens [bs * size] and ancestor masks [bs * size * size] of this step's trees."""
+        if size == 1:
+            roots = [last_tokens(req, 1)[0] for req in batch.reqs]
+            return np.asarray(roots, dtype=np.int64), np.ones(len(roots), dtype=bool)
+        cands = [self.candidates[req.rid] for req in batch.reqs]
+        # Requests drafted at different steps may have been drafted to different depths.
+        depths = min(c.tokens.shape[0] for c in cands)
+        trees = prune_batch(
+            np.stack([c.tokens[:depths] for c in cands]),
+            np.stack([c.probs[:depths] for c in cands]),
+            np.asarray([c.root for c in cands], dtype=np.int64),
+            np.asarray([c.context for c in cands], dtype=np.int64),
+            self.eos_ids,
+            config=replace(self.config, num_nodes=size - 1),
+            store=self.store,
+            vocab_size=self.vocab_size,
+        )
+        return trees.tokens.reshape(-1), trees.tree_mask.reshape(-1)
+
+    def to_verify(self, batch: Any, size: int) -> None:
+        """Turn a decode batch into a TARGET_VERIFY batch over this step's trees (NGRAM's verify layout,
+        sized per step instead of per server)."""
+        bs = len(batch.reqs)
+        with self.timer.phase("prune"):
+            tokens, mask = self.build(batch, size)
+        draft_tokens = upload(torch.from_numpy(tokens), self.device)
+        tree_mask = upload(torch.from_numpy(mask), self.device)
+        positions = torch.empty(bs * size, dtype=torch.int64, device=self.device)
+        retrieve = [torch.empty((bs, size), dtype=torch.int64, device=self.device) for _ in range(3)]
+        ngram.reconstruct_indices_from_tree_mask(tree_mask, batch.seq_lens, positions, *retrieve, bs, size)
+        self.host = (mask, tokens)
+        if ngram.USE_FULL_MASK and not ngram._is_cpu:
+            custom_mask = full_verify_mask(mask.reshape(bs, size, size), batch.seq_lens_cpu, self.device)
+        else:
+            custom_mask = tree_mask
+
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = draft_tokens
+        batch.out_cache_loc = ngram.assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=batch.seq_lens,
+            end_offset=batch.seq_lens + size,
+            batch_size=bs,
+            draft_token_num=size,
+            device=self.device,
+        )
+        ngram.prepare_mamba_track_for_verify(batch)
+        batch.spec_info = NgramVerifyInput(
+            draft_token=draft_tokens,
+            custom_mask=custom_mask,
+            positions=positions,
+            retrieve_index=retrieve[0],
+            retrieve_next_token=retrieve[1],
+            retrieve_next_sibling=retrieve[2],
+            draft_token_num=size,
+        )
+        batch.spec_info.capture_hidden_mode = CaptureHiddenMode.FULL  # the drafter reads the taps
+
+    def grammar_mask(self, batch: Any, size: int) -> Any:
+        """Per-node vocabulary mask of grammar-constrained requests, walked over this step's trees."""
+        if not batch.has_grammar or self.host is None:
+            return None
+        mask, req_drafts = self.host
+        bs = len(batch.reqs)
+        next_token, next_sibling = _derive_tree_links(mask, bs, size)
+        drafts = torch.from_numpy(req_drafts).to(torch.int64).view(bs, -1)
+        return build_grammar_vocab_mask(
+            reqs=batch.reqs,
+            tree=GrammarTree.from_host(next_token, next_sibling, drafts),
+            sampling_info=batch.sampling_info,
+            device=batch.seq_lens.device,
+            barrier=None,
+        )
+
+    def node_paths(self, bs: int, size: int) -> list[list[list[int]]]:
+        """The drafts on the path to every node of this step's trees (see `sampling.node_paths`)."""
+        mask, tokens = self.host
+        return node_paths(mask.reshape(bs, size, size), tokens.reshape(bs, size))
+
+    def keep(
+        self, reqs: list[Any], logits: torch.Tensor, roots: list[int], contexts: list[list[int]]
+    ) -> None:
+        """Keep the top-k of every draft row as the next step's candidates (draft logits [bs, D, V'])."""
+        with self.timer.phase("topk"):
+            # top-k in the draft's dtype: upcasting every row of the draft vocabulary first cost more
+            # than the top-k itself; only the k kept values need float32.
+            top = torch.topk(logits, self.candidates_per_depth, dim=-1)
+            probs = torch.softmax(top.values.float(), dim=-1)  # over the top-k (reference)
+            ids = self.drafter.draft_to_target(top.indices).float()  # exact: vocabularies < 2**24
+            # The pruner's inputs cross to the host in one transfer.
+            both = torch.stack([probs, ids]).cpu().numpy()
+            probs, tokens = both[0], both[1].astype(np.int64)
+        for i, req in enumerate(reqs):
+            self.candidates[req.rid] = DraftCandidates(
+                tokens[i], probs[i], int(roots[i]), (int(contexts[i][0]), int(contexts[i][1]))
+            )
+
+    def drop(self, reqs: list[Any]) -> None:
+        """Forget the candidates of these requests (a step that drafted nothing for them)."""
+        for req in reqs:
+            self.candidates.pop(req.rid, None)
+
+    def keep_only(self, reqs: list[Any]) -> None:
+        """Forget every request but these: a decode batch holds every running request (DART runs without
+        mixed or overlapped batches), so any other one finished, was aborted or was retracted."""
+        current = {req.rid for req in reqs}
+        for rid in [rid for rid in self.candidates if rid not in current]:
+            del self.candidates[rid]
