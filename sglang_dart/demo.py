@@ -21,7 +21,7 @@ from pathlib import Path
 import requests
 
 from sglang_dart.assets import shipped_smollm2_drafter, smollm2_dir
-from sglang_dart.server_process import SglangServer
+from sglang_dart.server_process import SglangServer, dart_flags
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -108,14 +108,7 @@ def main(argv: list[str] | None = None) -> None:
 
     shipped_draft, shipped_store = shipped_smollm2_drafter()
     draft, store = args.draft or shipped_draft, args.store or shipped_store
-    dart_args = [
-        "--speculative-algorithm",
-        "DART",
-        "--speculative-draft-model-path",
-        str(draft),
-        "--speculative-ngram-external-corpus-path",
-        str(store),
-    ]
+    dart_args = dart_flags(draft, store)
     print(f"DART drafter: {draft}\n3-gram store: {store}\n", flush=True)
     dart = serve(dart_args, logs / "dart.log", echo=True)
     print("\n\n(now the same prompt with plain decoding, for comparison)", flush=True)

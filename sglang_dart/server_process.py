@@ -40,6 +40,18 @@ def device_flag() -> list[str]:
     return default_device_args()[:2]
 
 
+def dart_flags(draft: Path | str, store: Path | str) -> list[str]:
+    """The stock flags that serve DART with a drafter directory and a 3-gram store."""
+    return [
+        "--speculative-algorithm",
+        "DART",
+        "--speculative-draft-model-path",
+        str(draft),
+        "--speculative-ngram-external-corpus-path",
+        str(store),
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
