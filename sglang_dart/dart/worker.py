@@ -225,7 +225,11 @@ class DartWorker(NGRAMWorker):
         if draft_kv.get_key_buffer(0).shape[0] < num_slots + scratch:
             raise AssertionError("DART: the draft KV pool has no room for its scratch slots")
         forward = DraftForward(
-            self.draft_model, self.draft_model_runner, target_pool.req_to_token, num_slots, num_slots
+            self.draft_model,
+            self.draft_model_runner,
+            target_pool.req_to_token,
+            scratch_base=num_slots,  # the first slot past the target's
+            num_slots=num_slots,
         )
         self.drafting = Drafting(forward, self.trees, self.timer)
 
