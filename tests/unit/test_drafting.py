@@ -180,6 +180,12 @@ def test_a_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_pa
     assert batch.extend_prefix_lens_cpu == [6, 3] and batch.extend_seq_lens_cpu == [4 + 2, 1 + 2]
     for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens"):
         assert getattr(batch, name).device.type == "meta", name
+    for name in ("extend_seq_lens", "extend_start_loc", "input_ids"):  # what FlashInfer/triton plan from
+        assert getattr(batch, name).device.type == "meta", name
+    # Host-side lengths the GPU backends plan with, so planning reads nothing back either.
+    assert batch.seq_lens_cpu.device.type == "cpu" and batch.seq_lens_cpu.tolist() == [6 + 6, 3 + 3]
+    assert batch.seq_lens_sum == 18 and batch.extend_num_tokens == 9
+    assert batch.forward_mode.is_extend() and batch.spec_info is None
     runner.store_entries(rows, [9, 3], [10, 5], [1, 2, 3, 4, 5])
 
 
