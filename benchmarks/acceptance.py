@@ -42,7 +42,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from sglang_dart.assets import smollm2_dir
-    from sglang_dart.server_process import SglangServer
+    from sglang_dart.server_process import SglangServer, dart_flags
 
     parser = dart_parser(__doc__)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -55,9 +55,7 @@ def main() -> None:
     prompts = _chat_ids(AutoTokenizer.from_pretrained(model), PROMPTS, len(PROMPTS))
     params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     server_args = [
-        "--dtype", args.dtype, "--speculative-algorithm", "DART",
-        "--speculative-draft-model-path", str(args.draft),
-        "--speculative-ngram-external-corpus-path", str(args.store),
+        "--dtype", args.dtype, *dart_flags(args.draft, args.store),
         "--speculative-num-draft-tokens", str(args.num_draft_tokens),
     ]  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="dart-acceptance-"))

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: random drafter, store
 
-from sglang_dart.server_process import SglangServer  # noqa: E402
+from sglang_dart.server_process import SglangServer, dart_flags  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -265,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         *shlex.split(args.server_args),
     ]  # fmt: skip
     dart_args = [
-        "--speculative-algorithm", "DART",
-        "--speculative-draft-model-path", str(draft),
-        "--speculative-ngram-external-corpus-path", str(store),
+        *dart_flags(draft, store),
         "--speculative-num-draft-tokens", str(args.num_draft_tokens),
     ]  # fmt: skip
     report: dict = {"model": str(args.model), "dtype": args.dtype, "draft": str(draft), "store": str(store),

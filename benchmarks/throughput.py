@@ -150,7 +150,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from sglang_dart.assets import smollm2_dir
-    from sglang_dart.server_process import SglangServer
+    from sglang_dart.server_process import SglangServer, dart_flags
 
     parser = dart_parser(__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
@@ -227,8 +227,7 @@ def main() -> None:
             name += f" [{sizes}]" if len(args.tree_sizes) > 1 else ""
             env = {} if sizes == "default" else {"SGLANG_DART_TREE_SIZES": sizes}
             configs[name] = ([
-                "--speculative-algorithm", "DART", "--speculative-draft-model-path", str(args.draft),
-                "--speculative-ngram-external-corpus-path", str(args.store),
+                *dart_flags(args.draft, args.store),
                 "--speculative-eagle-topk", str(args.topk), "--speculative-num-draft-tokens", str(n),
             ], env)  # fmt: skip
     first_gemm, *other_gemms = args.cpu_gemm

@@ -16,6 +16,7 @@ import requests
 
 from sglang_dart.server_process import (
     SglangServer,
+    dart_flags,
     default_engine_kwargs,
     device_flag,
     free_port,
@@ -34,12 +35,7 @@ def _dart_args(draft: Path, store: Path, tokens: int = 8, topk: int = 4) -> list
     return [
         "--dtype",
         "float32",
-        "--speculative-algorithm",
-        "DART",
-        "--speculative-draft-model-path",
-        str(draft),
-        "--speculative-ngram-external-corpus-path",
-        str(store),
+        *dart_flags(draft, store),
         "--speculative-num-draft-tokens",
         str(tokens),
         "--speculative-eagle-topk",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dart.server_process import SglangServer
+from sglang_dart.server_process import SglangServer, dart_flags
 from tests.support.dart_assets import build_random_drafter, build_store_for
 
 pytestmark = pytest.mark.server
@@ -31,9 +31,7 @@ def _run(module: str, *args: str) -> subprocess.CompletedProcess:
 def _serve(target: Path, draft: Path, store: Path, log: Path, prompts: list[list[int]]) -> list[dict]:
     args = [
         "--dtype", "float32",
-        "--speculative-algorithm", "DART",
-        "--speculative-draft-model-path", str(draft),
-        "--speculative-ngram-external-corpus-path", str(store),
+        *dart_flags(draft, store),
         "--speculative-num-draft-tokens", "8",
         "--speculative-eagle-topk", "4",
     ]  # fmt: skip
