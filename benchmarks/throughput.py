@@ -167,9 +167,9 @@ def main() -> None:
     parser.add_argument("--tree-sizes", nargs="+", default=["default"], help="one DART run each")
     parser.add_argument("--skip-ngram", action="store_true")
     parser.add_argument(
-        "--plain-sync",
+        "--sync",
         action="store_true",
-        help="also plain decoding without overlap scheduling, as DART runs",
+        help="also a copy of every server but NGRAM without overlap scheduling (--disable-overlap-schedule)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per batch size")
     parser.add_argument("--png", type=Path, help="also plot tokens/s against batch size to this PNG")
@@ -213,8 +213,6 @@ def main() -> None:
     model = args.model or smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
     configs: dict[str, tuple[list[str], dict[str, str]]] = {"plain": ([], {})}
-    if args.plain_sync:
-        configs["plain sync"] = (["--disable-overlap-schedule"], {})
     if not args.skip_ngram:
         tokens = str(max(args.num_draft_tokens))
         configs["NGRAM"] = (
@@ -237,6 +235,10 @@ def main() -> None:
             configs[f"{name} [{form} gemm]"] = (extra, {**env, GEMM_ENV: form})
         for variable, _, value in settings if name != "NGRAM" else []:
             configs[f"{name} [{variable}={value}]"] = (extra, {**env, variable: value})
+    if args.sync:
+        for name, (extra, env) in list(configs.items()):
+            if name != "NGRAM":
+                configs[f"{name} sync"] = ([*extra, "--disable-overlap-schedule"], env)
     logs = Path(tempfile.mkdtemp(prefix="dart-throughput-"))
 
     def serve(name: str, tag: str) -> SglangServer:

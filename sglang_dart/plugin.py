@@ -103,7 +103,7 @@ def register_dart() -> None:
 
     SpeculativeAlgorithm.register(
         "DART",
-        supports_overlap=False,
+        supports_overlap=True,
         validate_server_args=settings.validate_server_args,
         spec_class=DartAlgorithm,
     )(worker_class)

@@ -37,7 +37,8 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 
 from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart.phase_timer import PhaseTimer
-from sglang_dart.dart.trees import Trees, last_tokens
+from sglang_dart.dart.progress import RequestProgress
+from sglang_dart.dart.trees import Trees
 from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 
 
@@ -239,18 +240,32 @@ class DraftForward:
         return batch
 
 
+def request_rows(batch: Any) -> list[int]:
+    """The batch's request-table rows, from the host copy SGLang keeps with the batch. Not from the
+    requests: with overlap scheduling a request that finished in the step before may still ride in this
+    batch after SGLang has released it (its `req_pool_idx` is then None), as every speculative worker's
+    batch does; its row stays intact until the next allocation."""
+    rows = batch.req_pool_indices_cpu
+    if rows is None:
+        return [req.req_pool_idx for req in batch.reqs]
+    return rows.numpy().tolist()  # a host tensor: no device read
+
+
 class Drafting:
-    def __init__(self, forward: DraftForward, trees: Trees, timer: PhaseTimer) -> None:
+    def __init__(
+        self, forward: DraftForward, trees: Trees, progress: RequestProgress, timer: PhaseTimer
+    ) -> None:
         self.forward = forward
         self.trees = trees
+        self.progress = progress
         self.timer = timer
 
     def after_extend(self, batch: Any, taps: torch.Tensor, sampled: torch.Tensor) -> None:
         """Draft from a prefill: every extended token's residual is stored, then one draft step per request
         over its new entries (the entry before the chunk too: its next token was not known before)."""
         runner = self.forward
-        rows = [req.req_pool_idx for req in batch.reqs]
-        firsts, lasts, nexts, roots, contexts, prefixes, ends = [], [], [], [], [], [], []
+        rows = request_rows(batch)
+        firsts, lasts, nexts, prefixes, ends = [], [], [], [], []
         sampled_ids = sampled.tolist()  # the one read of a prefill before its candidates
         for i, req in enumerate(batch.reqs):
             prefix, extend = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
@@ -264,19 +279,17 @@ class Drafting:
             firsts.append(first)
             lasts.append(end - 1)
             nexts.extend(tail[first + 1 : end + 1])
-            roots.append(after)
-            contexts.append(([-1, -1] + tail)[-3:-1])
+            self.progress.start(req, end, tail)
         # The taps rows are the extend tokens of every request, in batch order: one fused write for all.
         with self.timer.phase("draft"):
             runner.store_residuals(runner.slots_of(rows, prefixes, ends), taps[: sum(batch.extend_lens)])
             logits = runner.step(rows, firsts, lasts, nexts)
-        self.trees.keep(batch.reqs, logits, roots, contexts)
+        self.trees.keep(batch.reqs, logits, [self.progress.of(req) for req in batch.reqs])
 
     def after_verify(
         self,
         batch: Any,
         taps: torch.Tensor,
-        committed_lens: list[int],
         drafts: list[int],
         accept_rows: list[list[int]],
         lens: list[int],
@@ -284,15 +297,16 @@ class Drafting:
         depths: int | None,
     ) -> float:
         """Store the draft state of the tokens a step committed and, when the next step builds trees
-        (`depths`: how deep they can reach), draft from them; returns the seconds drafting took.
-        committed_lens: each request's KV length before the step (its root's position); drafts: the
-        verified tokens (flat); accept_rows[i][: lens[i]]: request i's accepted rows of them, root first;
+        (`depths`: how deep they can reach), draft from them; returns the seconds drafting took. Each
+        request's progress advances past the step. drafts: the verified tokens (flat);
+        accept_rows[i][: lens[i]]: request i's accepted rows of them, root first;
         predicted: the target's token after each row. The per-request walk runs on host lists (a tensor
         op per request would cost more than a root-only step saves at large batches)."""
         runner = self.forward
-        rows = [req.req_pool_idx for req in batch.reqs]
-        firsts, lasts, nexts, roots, contexts, paths, slot_rows, slot_cols = [], [], [], [], [], [], [], []
-        for i, (req, committed, row) in enumerate(zip(batch.reqs, committed_lens, rows, strict=True)):
+        rows = request_rows(batch)
+        firsts, lasts, nexts, paths, slot_rows, slot_cols = [], [], [], [], [], []
+        for i, (req, row) in enumerate(zip(batch.reqs, rows, strict=True)):
+            committed = self.progress.of(req).committed  # the root's position
             path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
             paths.extend(path)
             slot_rows.extend([row] * len(path))
@@ -302,9 +316,7 @@ class Drafting:
             firsts.append(committed - 1)
             lasts.append(committed + len(path) - 1)
             nexts.extend(new_tokens + [bonus])
-            roots.append(bonus)
-            history = last_tokens(req, 2)
-            contexts.append(([-1, -1] + history + new_tokens[1:] + [bonus])[-3:-1])
+            self.progress.advance(req, new_tokens[1:] + [bonus])
         index = upload(torch.tensor([slot_rows, slot_cols, paths], dtype=torch.int64), taps.device)
         slots = runner.req_to_token[index[0], index[1]].to(torch.int64)
         with self.timer.phase("draft"):
@@ -317,7 +329,7 @@ class Drafting:
         if depths is None:
             self.trees.drop(batch.reqs)
             return 0.0
-        self.trees.keep(batch.reqs, logits, roots, contexts)
+        self.trees.keep(batch.reqs, logits, [self.progress.of(req) for req in batch.reqs])
         return time.perf_counter() - drafting_from
 
 

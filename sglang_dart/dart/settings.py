@@ -205,8 +205,9 @@ def refuse_split_kv_pools(server_args: Any) -> None:
 
 
 def handle_server_args(server_args: Any) -> None:
-    """Scheduling DART needs: synchronous steps, no mixed prefill/decode batches."""
-    server_args.disable_overlap_schedule = True
+    """Scheduling DART needs: no mixed prefill/decode batches. Overlap scheduling stays as SGLang sets it
+    (on unless `--disable-overlap-schedule`): the worker tracks each request's tokens itself, so SGLang's
+    one-step-late result processing does not affect it (`progress.py`)."""
     server_args.enable_mixed_chunk = False
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 64

@@ -21,6 +21,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart.phase_timer import PhaseTimer
+from sglang_dart.dart.progress import Progress, RequestProgress
 from sglang_dart.dart.sampling import node_paths
 from sglang_dart.dart.verify_mask import full_verify_mask
 from sglang_dart.drafter import DartDrafter
@@ -28,22 +29,18 @@ from sglang_dart.ngram import NgramStore
 from sglang_dart.pruner import PrunerConfig, prune_batch
 
 
-def last_tokens(req: Any, n: int) -> list[int]:
-    """The last n tokens of prompt + output, without copying the whole sequence."""
-    tail = list(req.output_ids[-n:])
-    missing = n - len(tail)
-    return (list(req.origin_input_ids[-missing:]) if missing else []) + tail
-
-
 @dataclass(frozen=True)
 class DraftCandidates:
     """One request's draft output, kept for the next step's pruner: the target ids and probabilities of the
-    top-k per depth, the root (the request's last token) and the two tokens before it."""
+    top-k per depth, and where the request stood (its root, the two tokens before it, the root's
+    position)."""
 
     tokens: np.ndarray  # [D, k] int64
     probs: np.ndarray  # [D, k] float32
-    root: int
-    context: tuple[int, int]
+    at: Progress
+
+    def current(self, now: Progress) -> bool:
+        return self.at.committed == now.committed and self.at.root == now.root
 
 
 class Trees:
@@ -56,6 +53,7 @@ class Trees:
         vocab_size: int,
         candidates_per_depth: int,
         device: Any,
+        progress: RequestProgress,
         timer: PhaseTimer,
     ) -> None:
         self.drafter = drafter
@@ -65,6 +63,7 @@ class Trees:
         self.vocab_size = vocab_size
         self.candidates_per_depth = candidates_per_depth
         self.device = device
+        self.progress = progress
         self.timer = timer
         self.candidates: dict[str, DraftCandidates] = {}
         self.host: tuple[np.ndarray, np.ndarray] | None = None  # this step's masks and tokens
@@ -75,14 +74,14 @@ class Trees:
         if planned > 1:
             for req in batch.reqs:
                 cand = self.candidates.get(req.rid)
-                if cand is None or cand.root != last_tokens(req, 1)[0]:
+                if cand is None or not cand.current(self.progress.of(req)):
                     return 1
         return planned
 
     def build(self, batch: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Flat node tokens [bs * size] and ancestor masks [bs * size * size] of this step's trees."""
         if size == 1:
-            roots = [last_tokens(req, 1)[0] for req in batch.reqs]
+            roots = self.progress.roots(batch.reqs)
             return np.asarray(roots, dtype=np.int64), np.ones(len(roots), dtype=bool)
         cands = [self.candidates[req.rid] for req in batch.reqs]
         # Requests drafted at different steps may have been drafted to different depths.
@@ -90,8 +89,8 @@ class Trees:
         trees = prune_batch(
             np.stack([c.tokens[:depths] for c in cands]),
             np.stack([c.probs[:depths] for c in cands]),
-            np.asarray([c.root for c in cands], dtype=np.int64),
-            np.asarray([c.context for c in cands], dtype=np.int64),
+            np.asarray([c.at.root for c in cands], dtype=np.int64),
+            np.asarray([c.at.context for c in cands], dtype=np.int64),
             self.eos_ids,
             config=replace(self.config, num_nodes=size - 1),
             store=self.store,
@@ -155,14 +154,20 @@ class Trees:
             barrier=None,
         )
 
-    def node_paths(self, bs: int, size: int) -> list[list[list[int]]]:
-        """The drafts on the path to every node of this step's trees (see `sampling.node_paths`)."""
+    def node_paths(self, reqs: list[Any], size: int) -> list[list[list[int]]]:
+        """The tokens a request's output lacks at every node of this step's trees: the drafts on the path
+        to the node (see `sampling.node_paths`), after any tokens SGLang has not appended to the request yet
+        (overlap scheduling), so per-node penalties and processors see the request's whole output."""
         mask, tokens = self.host
-        return node_paths(mask.reshape(bs, size, size), tokens.reshape(bs, size))
+        bs = len(reqs)
+        paths = node_paths(mask.reshape(bs, size, size), tokens.reshape(bs, size))
+        for req, request_paths in zip(reqs, paths, strict=True):
+            unseen = self.progress.unseen(req)
+            if unseen:
+                request_paths[:] = [unseen + path for path in request_paths]
+        return paths
 
-    def keep(
-        self, reqs: list[Any], logits: torch.Tensor, roots: list[int], contexts: list[list[int]]
-    ) -> None:
+    def keep(self, reqs: list[Any], logits: torch.Tensor, at: list[Progress]) -> None:
         """Keep the top-k of every draft row as the next step's candidates (draft logits [bs, D, V'])."""
         with self.timer.phase("topk"):
             # top-k in the draft's dtype: upcasting every row of the draft vocabulary first cost more
@@ -174,9 +179,7 @@ class Trees:
             both = torch.stack([probs, ids]).cpu().numpy()
             probs, tokens = both[0], both[1].astype(np.int64)
         for i, req in enumerate(reqs):
-            self.candidates[req.rid] = DraftCandidates(
-                tokens[i], probs[i], int(roots[i]), (int(contexts[i][0]), int(contexts[i][1]))
-            )
+            self.candidates[req.rid] = DraftCandidates(tokens[i], probs[i], at[i])
 
     def drop(self, reqs: list[Any]) -> None:
         """Forget the candidates of these requests (a step that drafted nothing for them)."""
@@ -185,7 +188,8 @@ class Trees:
 
     def keep_only(self, reqs: list[Any]) -> None:
         """Forget every request but these: a decode batch holds every running request (DART runs without
-        mixed or overlapped batches), so any other one finished, was aborted or was retracted."""
+        mixed batches), so any other one finished, was aborted or was retracted."""
         current = {req.rid for req in reqs}
         for rid in [rid for rid in self.candidates if rid not in current]:
             del self.candidates[rid]
+        self.progress.keep_only(reqs)

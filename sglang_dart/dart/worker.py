@@ -1,4 +1,6 @@
-"""The DART speculative worker for SGLang's batched scheduler (V2 schema, synchronous).
+"""The DART speculative worker for SGLang's batched scheduler (spec V2, with or without overlap scheduling:
+each request's tokens are read from the worker's own record, `progress.py`, never from the request, which
+overlap scheduling updates one step late).
 
 Per decode step, for the whole running batch: one Rust pruner call turns the draft candidates kept from
 the previous step into trees of this step's size, one target verify forward (tree mask, taps captured),
@@ -51,13 +53,14 @@ from sglang_dart.dart.adaptive_sizes import StepClock
 from sglang_dart.dart.drafting import DraftForward, Drafting
 from sglang_dart.dart.penalties import apply_node_penalties, penalized
 from sglang_dart.dart.phase_timer import PhaseTimer
+from sglang_dart.dart.progress import RequestProgress
 from sglang_dart.dart.sampling import (
     apply_custom_processors,
     needs_pinning,
     pin_logits_to_samples,
 )
 from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config, tree_size_schedule
-from sglang_dart.dart.trees import Trees, last_tokens
+from sglang_dart.dart.trees import Trees
 from sglang_dart.drafter import DraftConfig
 from sglang_dart.drafter.sglang_model import ARCHITECTURE, LlamaForCausalLMDart
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
@@ -69,26 +72,28 @@ logger = logging.getLogger(__name__)
 CHECKS_ENV = "SGLANG_DART_CHECKS"
 
 
-def _committed_lens(reqs: list[Any]) -> list[int]:
-    """Each request's committed KV length before a decode step: every token but its newest (the root)."""
-    return [len(req.origin_input_ids) + len(req.output_ids) - 1 for req in reqs]
-
-
-def _check_roots_follow_the_cache(reqs: list[Any], committed_lens: list[int], seq_lens_cpu: Any) -> None:
+def _check_roots_follow_the_cache(
+    reqs: list[Any], progress: RequestProgress, seq_lens_cpu: Any, overlap: bool
+) -> None:
     """The scheduler's KV lengths (a host tensor, read with numpy: no device read) are the committed
-    lengths DART derives from the requests, where the draft state of this step's tokens starts."""
-    for req, committed, kv_len in zip(reqs, committed_lens, seq_lens_cpu.numpy(), strict=True):
+    lengths the worker tracks, where the draft state of this step's tokens starts; the requests' own
+    tokens lag those only with overlap scheduling, by at most the last step."""
+    for req, kv_len in zip(reqs, seq_lens_cpu.numpy(), strict=True):
+        committed = progress.of(req).committed
         if committed != int(kv_len):
             raise AssertionError(
                 f"DART: request {req.rid} has {committed + 1} tokens but a committed KV length of {kv_len}"
             )
+        unseen = progress.unseen(req)  # raises past the one step the worker keeps
+        if unseen and not overlap:
+            raise AssertionError(f"DART: request {req.rid} lacks {len(unseen)} tokens without overlap")
 
 
 class DartWorker(NGRAMWorker):
     def __init__(self, server_args: Any, gpu_id: int, ps: Any, nccl_port: int, target_worker: Any) -> None:
         BaseSpecWorker.__init__(self)  # not NGRAMWorker's: DART has no suffix corpus
         self.server_args = server_args
-        self.enable_overlap = False
+        self.enable_overlap = not server_args.disable_overlap_schedule
         self.timer = PhaseTimer()  # SGLANG_DART_PROFILE=1: per-phase step times in the log
         self._target_worker = target_worker
         self.model_runner = target_worker.model_runner
@@ -120,6 +125,7 @@ class DartWorker(NGRAMWorker):
         self.step_clock = StepClock()  # step times for an adaptive schedule
         self._planned_size: int | None = None  # chosen when the step before drafted (or did not)
         self._drafting_seconds = 0.0
+        self.progress = RequestProgress()  # the requests' tokens as the worker left them (overlap lags)
         eos = getattr(model_config, "hf_eos_token_id", None) or []
         self.trees = Trees(
             self.drafter,
@@ -129,6 +135,7 @@ class DartWorker(NGRAMWorker):
             vocab,
             candidates_per_depth(),
             self.device,
+            self.progress,
             self.timer,
         )
         self.drafting: Drafting | None = None  # once SGLang has allocated the pools
@@ -231,7 +238,7 @@ class DartWorker(NGRAMWorker):
             scratch_base=num_slots,  # the first slot past the target's
             num_slots=num_slots,
         )
-        self.drafting = Drafting(forward, self.trees, self.timer)
+        self.drafting = Drafting(forward, self.trees, self.progress, self.timer)
 
     def init_attention_backends(self) -> None:
         self._draft_worker.init_attention_backends()
@@ -245,7 +252,7 @@ class DartWorker(NGRAMWorker):
         verify tensors are made per step instead (`_prepare_for_speculative_decoding`)."""
 
     def clear_cache_pool(self) -> None:
-        self.trees.candidates.clear()
+        self.trees.keep_only([])
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
         raise ValueError("DART reads its 3-gram store from --speculative-ngram-external-corpus-path only")
@@ -291,7 +298,7 @@ class DartWorker(NGRAMWorker):
         exact_penalties = penalized(batch.reqs)
         paths = None
         if exact_penalties or sampling_info.has_custom_logit_processor:
-            paths = self.trees.node_paths(len(batch.reqs), size)
+            paths = self.trees.node_paths(batch.reqs, size)
         if exact_penalties:  # in place of the relaxed per-request ones SGLang keeps for speculation
             apply_node_penalties(logits, batch.reqs, paths)
             sampling_info = replace(sampling_info, acc_additive_penalties=None, acc_scaling_penalties=None)
@@ -334,7 +341,9 @@ class DartWorker(NGRAMWorker):
             if finished is not None:
                 self.tree_sizes.record(*finished)
             if self.checks and batch.seq_lens_cpu is not None:
-                _check_roots_follow_the_cache(batch.reqs, _committed_lens(batch.reqs), batch.seq_lens_cpu)
+                _check_roots_follow_the_cache(
+                    batch.reqs, self.progress, batch.seq_lens_cpu, self.enable_overlap
+                )
             step_size = self._step_size(batch)
             if step_size == 1 and self._plain_decode_fits(batch):
                 return self._root_only_step(batch, on_publish, started)
@@ -379,7 +388,6 @@ class DartWorker(NGRAMWorker):
             self._draft_after_verify(
                 batch,
                 taps,
-                _committed_lens(batch.reqs),
                 self.trees.host[1].tolist(),
                 [rows[i * size : (i + 1) * size] for i in range(bs)],
                 lens,
@@ -463,7 +471,7 @@ class DartWorker(NGRAMWorker):
         self._step_kind = "root-only"
         bs = len(batch.reqs)
         committed = batch.seq_lens
-        roots = [last_tokens(req, 1)[0] for req in batch.reqs]
+        roots = self.progress.roots(batch.reqs)
         with self.timer.phase("prepare"):
             batch.input_ids = upload(torch.tensor(roots, dtype=torch.int64), self.device)
             req_to_token = batch.req_to_token_pool.req_to_token
@@ -488,7 +496,6 @@ class DartWorker(NGRAMWorker):
         self._draft_after_verify(
             batch,
             result.logits_output.hidden_states,
-            _committed_lens(batch.reqs),  # not batch.seq_lens: the decode forward counts the root in it
             roots,
             [[i] for i in range(bs)],
             [1] * bs,

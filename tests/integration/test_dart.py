@@ -71,21 +71,32 @@ def qwen3_dart(tiny_qwen3_dir, qwen3_assets, server_logs) -> Iterator[SglangServ
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def qwen3_dart_sync(tiny_qwen3_dir, qwen3_assets, server_logs) -> Iterator[SglangServer]:
+    args = [*_dart_args(*qwen3_assets), *SEED, "--disable-overlap-schedule"]
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart-sync.log").start()
+    yield server
+    server.stop()
+
+
 def _run_all(server: SglangServer, prompts: list[str], concurrency: int, n: int = NEW_TOKENS) -> list[dict]:
     payload = lambda p: {"text": p, "sampling_params": {"max_new_tokens": n, "temperature": 0.0}}  # noqa: E731
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         return list(pool.map(lambda p: server.generate(payload(p)), prompts))
 
 
+@pytest.mark.parametrize("schedule", ["overlap", "sync"])
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
-def test_qwen3_greedy_equals_plain(qwen3_plain, qwen3_dart, concurrency):
+def test_qwen3_greedy_equals_plain(request, qwen3_plain, concurrency, schedule):
+    """With overlap scheduling (SGLang's default) and without (`--disable-overlap-schedule`)."""
+    dart = request.getfixturevalue("qwen3_dart" if schedule == "overlap" else "qwen3_dart_sync")
     prompts = many_prompts(56)
     reference = [out["output_ids"] for out in _run_all(qwen3_plain, prompts, 8)]
-    speculative = _run_all(qwen3_dart, prompts, concurrency)
+    speculative = _run_all(dart, prompts, concurrency)
     for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
         assert spec["output_ids"] == ref, prompt
         assert spec["meta_info"]["spec_verify_ct"] > 0
-    assert qwen3_dart.healthy()
+    assert dart.healthy()
 
 
 def test_parallel_samples_equal_plain(qwen3_plain, qwen3_dart):
@@ -311,14 +322,22 @@ def own_store_assets(
     return prompts, outputs, _dart_args(draft, store, tokens=8, topk=len(tokenizer))
 
 
-def test_drafts_are_accepted_when_the_store_knows_the_target(tiny_qwen3_dir, own_store_assets, server_logs):
+@pytest.mark.parametrize("schedule", ["overlap", "sync"])
+def test_drafts_are_accepted_when_the_store_knows_the_target(
+    tiny_qwen3_dir, own_store_assets, server_logs, schedule
+):
     """Synthetic τ check: with the trees predicting the target, τ must be well above 1. If verification or
-    bookkeeping rejected everything, τ would be 1."""
+    bookkeeping rejected everything, τ would be 1. Under both schedules SGLang offers: with overlap (its
+    default) SGLang appends a step's tokens to the requests one step late, so the worker must not read them
+    from there; `--disable-overlap-schedule` runs every step synchronously."""
     prompts, outputs, dart_args = own_store_assets
+    sync = ["--disable-overlap-schedule"] if schedule == "sync" else []
     server = SglangServer(
-        tiny_qwen3_dir, [*dart_args, "--enable-metrics"], server_logs / "qwen3-tau.log"
+        tiny_qwen3_dir, [*dart_args, *sync, "--enable-metrics"], server_logs / f"qwen3-tau-{schedule}.log"
     ).start()
     try:
+        info = requests.get(f"{server.url}/server_info", timeout=30).json()
+        assert info["disable_overlap_schedule"] == (schedule == "sync")
         speculative = _run_all(server, prompts, 4, n=48)
         metrics = requests.get(f"{server.url}/metrics", timeout=30).text
     finally:

@@ -6,6 +6,7 @@ everything downstream is SGLang's own code."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -215,3 +216,23 @@ def test_a_draft_step_over_a_full_prefill_chunk_fits_sglangs_reserve(assets):
     activations = rows * (2 * hidden + (heads + 2 * kv_heads) * head_dim + hidden) * 2 * 2  # bf16, x2 slack
     assert score_block <= SCORE_BLOCK_BYTES
     assert score_block + plan_masks + activations < reserve / 4, (score_block, plan_masks, reserve)
+
+
+def test_the_draft_memory_outside_the_kv_plan_is_a_sliver_of_sglangs_reserve(assets):
+    """Two draft allocations are not per-slot state, so the KV plan does not size them: the scratch slots
+    (the newest entry and the mask slots of every request row, past the target's slots) and the draft's
+    request table (the target's, shifted by one, with room for the mask columns). For a Llama-8B-shaped
+    drafter, the most running requests the table holds and a 128K context, both together must stay under
+    1% of the activation reserve SGLang keeps beside its pools."""
+    from sglang_dart.dart.drafting import DraftForward
+    from sglang_dart.dart.gpu_contracts import draft_bytes_per_slot
+    from sglang_dart.drafter import DraftConfig
+
+    args = _cuda_server_args(assets)
+    reserve = (1 - args.mem_fraction_static) * 80 * 1024**3
+    cfg = DraftConfig.from_dir(assets.draft)
+    llama8b = replace(cfg, hidden_size=4096, num_key_value_heads=8, head_dim=128)
+    rows, context = args.max_running_requests + 1, 128 * 1024  # SGLang's table has one spare row
+    scratch = DraftForward.scratch_slots(rows, llama8b.draft_length) * draft_bytes_per_slot(llama8b, 2)
+    table = rows * (context + llama8b.draft_length + 1) * 4  # int32 slot ids
+    assert scratch + table < reserve / 100, (scratch, table, reserve)

@@ -1,0 +1,88 @@
+"""Where each running request stands, as the worker itself left it after its last step: its committed KV
+length (the root's position) and its newest tokens, root last.
+
+The worker keeps this instead of reading `req.output_ids` because with overlap scheduling SGLang processes a
+step's results one step late: when step n+1 runs, the tokens step n accepted (or the first token a prefill
+sampled) are not in `req.output_ids` yet. The worker knows them, having produced them, so every decode-path
+read of a request's tokens comes from here; `unseen` gives the tail SGLang has not appended yet (empty
+without overlap), for the per-node penalties and logit processors that see a request's whole output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Tokens kept per request: the root and the two before it (the pruner's 3-gram context), plus every token of
+# the last step, so the one step SGLang may lag behind is always covered. 64 > any tree size + 3.
+KEPT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Progress:
+    committed: int  # the KV length before the next step: every token but the root
+    recent: tuple[int, ...]  # the newest tokens, the root last
+
+    @property
+    def root(self) -> int:
+        return self.recent[-1]
+
+    @property
+    def context(self) -> tuple[int, int]:
+        """The two tokens before the root (-1 where the sequence is shorter)."""
+        padded = (-1, -1, *self.recent)
+        return padded[-3], padded[-2]
+
+
+def _tokens_of(req: Any) -> int:
+    return len(req.origin_input_ids) + len(req.output_ids)
+
+
+class RequestProgress:
+    def __init__(self) -> None:
+        self._by_rid: dict[str, Progress] = {}
+
+    def start(self, req: Any, committed: int, recent: list[int]) -> None:
+        """After a prefill (or a prefill chunk): `recent` ends with the token at position `committed`."""
+        self._by_rid[req.rid] = Progress(committed, tuple(recent[-KEPT_TOKENS:]))
+
+    def advance(self, req: Any, new_tokens: list[int]) -> None:
+        """After a verify: the accepted drafts and the bonus token follow the root; the bonus is the new
+        root. The root itself becomes committed along with the accepted drafts."""
+        now = self.of(req)
+        recent = (now.recent + tuple(new_tokens))[-KEPT_TOKENS:]
+        self._by_rid[req.rid] = Progress(now.committed + len(new_tokens), recent)
+
+    def of(self, req: Any) -> Progress:
+        """A request's progress. One the worker has not seen (it cannot happen: every request enters by a
+        prefill the worker ran) is read from the request, which is exact without overlap."""
+        now = self._by_rid.get(req.rid)
+        if now is not None:
+            return now
+        tail = list(req.output_ids[-3:])
+        missing = 3 - len(tail)
+        recent = (list(req.origin_input_ids[-missing:]) if missing else []) + tail
+        return Progress(_tokens_of(req) - 1, tuple(recent))
+
+    def committed_lens(self, reqs: list[Any]) -> list[int]:
+        return [self.of(req).committed for req in reqs]
+
+    def roots(self, reqs: list[Any]) -> list[int]:
+        return [self.of(req).root for req in reqs]
+
+    def unseen(self, req: Any) -> list[int]:
+        """The request's tokens that SGLang has not appended to it yet (overlap scheduling's lag)."""
+        now = self.of(req)
+        missing = now.committed + 1 - _tokens_of(req)
+        if missing <= 0:
+            return []
+        if missing > len(now.recent):
+            raise AssertionError(f"DART: request {req.rid} lags {missing} tokens behind the worker")
+        return list(now.recent[-missing:])
+
+    def keep_only(self, reqs: list[Any]) -> None:
+        """Forget every request but these (the running batch: any other one finished, was aborted or was
+        retracted; a retracted one starts afresh at its next prefill)."""
+        current = {req.rid for req in reqs}
+        for rid in [rid for rid in self._by_rid if rid not in current]:
+            del self._by_rid[rid]
