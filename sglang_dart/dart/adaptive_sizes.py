@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from sglang_dart.dart.tree_sizes import TreeSizeSchedule
+
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -50,7 +52,7 @@ class _SizeStats:
 
 @dataclass
 class _Bucket:
-    stats: dict[int, _SizeStats]
+    stats: dict[int, _SizeStats]  # by candidate size, ascending
     steps: int = 0
     probes: int = 0  # how many probes so far: picks the next one in turn
     probing: set[int] = field(default_factory=set)  # sizes probed and not yet recorded
@@ -90,10 +92,15 @@ class AdaptiveTreeSizes:
         self.smoothing = smoothing
         self._buckets: dict[int, _Bucket] = {}
 
+    def candidates(self, smallest_batch: int) -> tuple[int, ...]:
+        """The sizes measured for the bucket whose smallest batch size this is."""
+        return self.sizes
+
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket({size: _SizeStats() for size in self.sizes})
+            sizes = sorted(set(self.candidates(1 << key)))
+            self._buckets[key] = _Bucket({size: _SizeStats() for size in sizes})
         return self._buckets[key]
 
     def best(self, batch_size: int) -> int:
@@ -101,9 +108,9 @@ class AdaptiveTreeSizes:
         SWITCH_MARGIN faster (the largest while nothing is measured)."""
         bucket = self._bucket(batch_size)
         stats = bucket.stats
-        measured = [size for size in self.sizes if stats[size].samples]
+        measured = [size for size in stats if stats[size].samples]
         if not measured:
-            return self.max_size
+            return max(stats)
         top = max(measured, key=lambda size: (stats[size].rate, -size))
         current = bucket.chosen
         if current is not None and stats[current].rate * (1 + SWITCH_MARGIN) >= stats[top].rate:
@@ -115,7 +122,7 @@ class AdaptiveTreeSizes:
         bucket = self._bucket(batch_size)
         bucket.steps += 1
         # Largest first: it shows at once whether trees pay here at all.
-        for size in reversed(self.sizes):
+        for size in reversed(bucket.stats):
             if bucket.stats[size].samples < self.warmup:
                 return size
         best = self.best(batch_size)
@@ -124,7 +131,7 @@ class AdaptiveTreeSizes:
             self._log_choice(batch_size, bucket)
         if bucket.steps % self.explore_every:
             return best
-        probes = self._probes(best)
+        probes = self._probes(best, tuple(bucket.stats))
         if not probes:  # a single candidate size
             return best
         probe = probes[bucket.probes % len(probes)]
@@ -132,10 +139,12 @@ class AdaptiveTreeSizes:
         bucket.probing.add(probe)
         return probe
 
-    def _probes(self, best: int) -> list[int]:
-        """Sizes a probe tries in turn: the best's neighbours, and the root alone."""
-        index = self.sizes.index(best)
-        around = {self.sizes[i] for i in (index - 1, index + 1) if 0 <= i < len(self.sizes)}
+    @staticmethod
+    def _probes(best: int, sizes: tuple[int, ...]) -> list[int]:
+        """Sizes a probe tries in turn: the best's neighbours among the bucket's sizes, and the root
+        alone."""
+        index = sizes.index(best)
+        around = {sizes[i] for i in (index - 1, index + 1) if 0 <= i < len(sizes)}
         return sorted((around | {1}) - {best})
 
     def record(self, batch_size: int, size: int, seconds: float, tokens: int) -> None:
@@ -161,6 +170,25 @@ class AdaptiveTreeSizes:
 
     def describe(self) -> str:
         return f"{AUTO} (measured per batch-size bucket among sizes {list(self.sizes)})"
+
+
+class GuardedTreeSizes(AdaptiveTreeSizes):
+    """A batch-size schedule with a guard: per batch-size bucket, the schedule's tree size and the root
+    alone (a plain decode step) are both measured, and steps run the one with more tokens per second. So
+    trees run where they pay, and where the drafts are poor (prompts unlike the drafter's training data,
+    a weak drafter) or the hardware makes trees dear, the server falls back to plain decoding by itself
+    instead of running slower than it. Two candidates, not `auto`'s five: fewer probes, and a choice that
+    noise moves less. Explicit schedules (SGLANG_DART_TREE_SIZES) run unguarded, as given."""
+
+    def __init__(self, schedule: TreeSizeSchedule, **kwargs: float) -> None:
+        super().__init__(schedule.max_size, **kwargs)
+        self.schedule = schedule
+
+    def candidates(self, smallest_batch: int) -> tuple[int, ...]:
+        return (1, self.schedule.size_for(smallest_batch))
+
+    def describe(self) -> str:
+        return f"{self.schedule.describe()}, guarded (root-only steps where trees measure slower)"
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_dart.dart import gpu_contracts
-from sglang_dart.dart.adaptive_sizes import AUTO, AdaptiveTreeSizes
+from sglang_dart.dart.adaptive_sizes import AUTO, AdaptiveTreeSizes, GuardedTreeSizes
 from sglang_dart.dart.tree_sizes import (
     TreeSizeSchedule,
     TreeSizesError,
@@ -93,7 +93,10 @@ def tree_size_schedule(server_args: Any, target_dtype: Any = None) -> TreeSizeSc
     if text is None:
         dtype = str(target_dtype if target_dtype is not None else getattr(server_args, "dtype", "auto"))
         key = default_schedule_key(server_args.device, dtype, cpu_has_amx_bf16(), cpu_has_avx512_bf16())
-        return default_schedule(key, largest)
+        schedule = default_schedule(key, largest)
+        # On a CPU the default is guarded: root-only steps wherever trees measure slower. On CUDA it stays
+        # fixed, the one width SGLang captures verify graphs for (a root-only step would run eagerly).
+        return GuardedTreeSizes(schedule) if server_args.device == "cpu" else schedule
     if str(text).strip().lower() == AUTO:
         return AdaptiveTreeSizes(largest)
     try:

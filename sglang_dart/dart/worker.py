@@ -45,6 +45,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 from sglang.srt.speculative.spec_utils import (
     move_accept_tokens_to_target_kvcache,
+    record_stream_for_v2_verify,
 )
 
 from sglang_dart.attention.tree_attention import upload
@@ -333,6 +334,9 @@ class DartWorker(NGRAMWorker):
 
     def _forward(self, batch: Any, on_publish: Any) -> GenerationBatchResult:
         started = time.perf_counter()
+        # With overlap the step runs on SGLang's forward stream while the batch's tensors came from the
+        # schedule stream: keep their memory from being recycled before the step's kernels are done.
+        record_stream_for_v2_verify(batch, None, torch.get_device_module(self.device).current_stream())
         bs = len(batch.reqs)
         size = self.draft_token_num  # the result stride: this step's tree size after a verify
         if batch.forward_mode.is_decode():

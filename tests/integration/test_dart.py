@@ -587,17 +587,25 @@ def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, serv
     assert longest[1] > 0 and longest[8] > 0, longest  # both kinds of step, so SGLang's N - 1 would be off
 
 
-def test_adaptive_tree_size_stays_lossless(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch):
+@pytest.mark.parametrize("sizes", ["auto", "guarded default"])
+def test_adaptive_tree_size_stays_lossless(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch, sizes):
     """SGLANG_DART_TREE_SIZES=auto measures every candidate size (1, 2, 4, 8) in each batch-size bucket
-    before it settles, so a run whose batch shrinks from 12 to 1 switches between root-only steps (accept
-    length exactly 1) and trees (accept length > 1) many times; every output must still be the target's."""
-    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "auto")
+    before it settles, and the guarded CPU default its schedule's size against the root alone (float32:
+    trees of 8 below batch 4), so a run whose batch shrinks from 12 to 1 switches between root-only steps
+    (accept length exactly 1) and trees (accept length > 1) many times; every output must still be the
+    target's."""
+    if sizes == "auto":
+        monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "auto")
+    else:
+        monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
     prompts, outputs, dart_args = own_store_assets
     args = [*dart_args, "--decode-log-interval", "1"]
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes-auto.log").start()
+    log_name = f"qwen3-tree-sizes-{sizes.replace(' ', '-')}.log"
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / log_name).start()
     results, log = _staggered_lossless_run(server, prompts, outputs)
-    _check_drafted_counts(results, {1, 2, 4, 8})
-    assert "DART tree size by batch size: auto" in log
+    _check_drafted_counts(results, {1, 2, 4, 8} if sizes == "auto" else {1, 8})
+    expected = "auto" if sizes == "auto" else "1:8,4:1, guarded"
+    assert f"DART tree size by batch size: {expected}" in log
     taus = [float(tau) for _, tau in _DECODE_LINE.findall(log)]
     assert any(tau == 1.0 for tau in taus) and any(tau > 1.0 for tau in taus), taus
 
@@ -608,6 +616,7 @@ def test_default_tree_sizes_follow_the_loaded_dtype(
     """With no schedule set, the worker picks the CPU default from the dtype the target was loaded in, not
     from --dtype: a model whose config says bf16, served with --dtype auto, gets `cpu-amx`'s schedule on a
     CPU with AMX tiles, `cpu-avx512-bf16`'s on one with AVX512-BF16 only (the plain CPU one elsewhere)."""
+    from sglang_dart.dart.adaptive_sizes import GuardedTreeSizes
     from sglang_dart.dart.settings import cpu_has_amx_bf16, cpu_has_avx512_bf16
     from sglang_dart.dart.tree_sizes import default_schedule, default_schedule_key
 
@@ -621,7 +630,7 @@ def test_default_tree_sizes_follow_the_loaded_dtype(
     (model / "config.json").write_text(json.dumps(config))
     draft, store = qwen3_assets
     key = default_schedule_key("cpu", "torch.bfloat16", cpu_has_amx_bf16(), cpu_has_avx512_bf16())
-    expected = default_schedule(key, 8)
+    expected = GuardedTreeSizes(default_schedule(key, 8))  # on a CPU the default is guarded
     args = [*_dart_args(draft, store), "--dtype", "auto"]  # the later --dtype wins
     server = SglangServer(model, args, server_logs / "qwen3-bf16-default-sizes.log").start()
     try:

@@ -12,8 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_dart.dart.adaptive_sizes import AdaptiveTreeSizes, StepClock, bucket_of, candidate_sizes
+from sglang_dart.dart.adaptive_sizes import (
+    AdaptiveTreeSizes,
+    GuardedTreeSizes,
+    StepClock,
+    bucket_of,
+    candidate_sizes,
+)
 from sglang_dart.dart.settings import tree_size_schedule
+from sglang_dart.dart.tree_sizes import TreeSizeSchedule
 
 
 def _run(chooser: AdaptiveTreeSizes, batch_size: int, steps: int, seconds, tokens) -> Counter:
@@ -171,3 +178,52 @@ def test_auto_is_read_from_the_environment(tmp_path, monkeypatch):
     schedule = tree_size_schedule(args)
     assert isinstance(schedule, AdaptiveTreeSizes)
     assert schedule.sizes == (1, 2, 4, 8)
+
+
+def _guarded(schedule: str = "1:8,4:4,16:1") -> GuardedTreeSizes:
+    return GuardedTreeSizes(TreeSizeSchedule.parse(schedule, 8), explore_every=50)
+
+
+def test_the_guard_measures_the_schedules_size_against_the_root_alone():
+    chooser = _guarded()
+    assert chooser.candidates(1) == (1, 8)
+    assert chooser.candidates(4) == (1, 4)
+    assert chooser.candidates(16) == (1, 1)
+    picked = _run(chooser, 5, 200, lambda bs, size: 0.01 * bs * (1 + 0.01 * size), _accepts)
+    assert set(picked) == {1, 4}  # never a size the schedule does not name for the bucket
+    assert chooser.best(5) == 4
+    assert _run(chooser, 20, 50, lambda bs, size: 0.01, _accepts) == Counter({1: 50})
+
+
+def test_the_guard_falls_back_to_plain_steps_when_drafts_are_poor():
+    """Trees of 8 that the drafter cannot fill (1.1 tokens a step) on hardware where they cost 30% more
+    than a plain step: the guard runs root-only steps but for its warm-up and probes."""
+    chooser = _guarded()
+    poor = lambda bs, size: bs * (1.1 if size > 1 else 1.0)  # noqa: E731
+    picked = _run(chooser, 1, 500, lambda bs, size: 0.05 * (1.3 if size > 1 else 1.0), poor)
+    assert chooser.best(1) == 1
+    assert picked[8] <= 3 + 500 // 50
+
+
+def test_the_guard_keeps_trees_that_pay():
+    chooser = _guarded()
+    picked = _run(chooser, 1, 500, lambda bs, size: 0.05 * (1.3 if size > 1 else 1.0), _accepts)
+    assert chooser.best(1) == 8
+    assert picked[1] <= 3 + 500 // 50
+
+
+def test_the_cpu_default_is_guarded_and_an_explicit_schedule_is_not(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    args = SimpleNamespace(
+        speculative_draft_model_path=str(tmp_path), speculative_num_draft_tokens=8, device="cpu"
+    )
+    monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
+    guarded = tree_size_schedule(args)
+    assert isinstance(guarded, GuardedTreeSizes)
+    assert guarded.describe().endswith("guarded (root-only steps where trees measure slower)")
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:8,4:1")
+    assert isinstance(tree_size_schedule(args), TreeSizeSchedule)
+    monkeypatch.delenv("SGLANG_DART_TREE_SIZES")
+    # CUDA keeps the fixed width its verify graphs are captured for.
+    cuda = SimpleNamespace(**{**vars(args), "device": "cuda"})
+    assert tree_size_schedule(cuda) == TreeSizeSchedule.fixed(8)

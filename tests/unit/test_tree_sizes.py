@@ -74,7 +74,7 @@ def test_environment_overrides_the_drafter_config(tmp_path, monkeypatch):
     with pytest.raises(DartArgsError, match="SGLANG_DART_TREE_SIZES"):
         tree_size_schedule(args)
     monkeypatch.delenv("SGLANG_DART_TREE_SIZES")
-    assert tree_size_schedule(_server_args(tmp_path, {})) == default_schedule("cpu", 8)
+    assert tree_size_schedule(_server_args(tmp_path, {})).schedule == default_schedule("cpu", 8)
 
 
 def test_bf16_targets_on_amx_cpus_get_their_own_default():
@@ -103,10 +103,10 @@ def test_the_loaded_targets_dtype_picks_the_default(tmp_path, monkeypatch):
     monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
     monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda: True)
     args = _server_args(tmp_path, {})
-    assert tree_size_schedule(args, torch.bfloat16) == default_schedule(CPU_AMX, 8)
-    assert tree_size_schedule(args, torch.float32) == default_schedule("cpu", 8)
+    assert tree_size_schedule(args, torch.bfloat16).schedule == default_schedule(CPU_AMX, 8)
+    assert tree_size_schedule(args, torch.float32).schedule == default_schedule("cpu", 8)
     monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda: False)
     monkeypatch.setattr(settings, "cpu_has_avx512_bf16", lambda: True)
-    assert tree_size_schedule(args, torch.bfloat16) == default_schedule(CPU_AVX512_BF16, 8)
+    assert tree_size_schedule(args, torch.bfloat16).schedule == default_schedule(CPU_AVX512_BF16, 8)
     monkeypatch.setattr(settings, "cpu_has_avx512_bf16", lambda: False)
-    assert tree_size_schedule(args, torch.bfloat16) == default_schedule("cpu", 8)
+    assert tree_size_schedule(args, torch.bfloat16).schedule == default_schedule("cpu", 8)
