@@ -80,6 +80,8 @@ def _bucket_range(key: int) -> str:
 
 
 class AdaptiveTreeSizes:
+    label = AUTO  # names the schedule in its log lines
+
     def __init__(
         self, max_size: int, warmup: int = 3, explore_every: int = 50, smoothing: float = 0.2
     ) -> None:
@@ -162,7 +164,8 @@ class AdaptiveTreeSizes:
             f"{size}: {stats.rate:.1f}" for size, stats in bucket.stats.items() if stats.samples
         )
         logger.info(
-            "DART auto: batches of %s requests now verify %d token(s) each (tokens/s by size: %s)",
+            "DART %s: batches of %s requests now verify %d token(s) each (tokens/s by size: %s)",
+            self.label,
             _bucket_range(bucket_of(batch_size)),
             bucket.chosen,
             rates,
@@ -179,6 +182,8 @@ class GuardedTreeSizes(AdaptiveTreeSizes):
     a weak drafter) or the hardware makes trees dear, the server falls back to plain decoding by itself
     instead of running slower than it. Two candidates, not `auto`'s five: fewer probes, and a choice that
     noise moves less. Explicit schedules (SGLANG_DART_TREE_SIZES) run unguarded, as given."""
+
+    label = "guarded"
 
     def __init__(self, schedule: TreeSizeSchedule, **kwargs: float) -> None:
         super().__init__(schedule.max_size, **kwargs)
