@@ -18,6 +18,9 @@ for _var in ("SGLANG_USE_CPU_ENGINE", "SGLANG_DART_CPU"):
 # the lossless checks at batch 16 exercise tree verification, not the root-only steps that a batch-size
 # schedule would switch to.
 os.environ["SGLANG_DART_TREE_SIZES"] = "fixed"
+# DART servers on this CPU run with overlap scheduling, the path a GPU server takes by default (on a CPU
+# DART turns it off unless told); tests of the synchronous path pass --disable-overlap-schedule.
+os.environ["SGLANG_DART_CPU_OVERLAP"] = "1"
 # DART servers assert their bookkeeping invariants and their host-read budget every step
 # (sglang_dart/dart/worker.py, host_reads.py).
 os.environ["SGLANG_DART_CHECKS"] = "1"

@@ -42,6 +42,10 @@ DEFAULT_NUM_DRAFT_TOKENS = 16
 DEFAULT_TOPK = 8
 TOPK_ENV = "SGLANG_DART_TOPK"
 TREE_SIZES_ENV = "SGLANG_DART_TREE_SIZES"
+# On a CPU DART runs without overlap scheduling unless this is 1 (the tests set it, to cover the path a GPU
+# server takes by default): there both run on the same cores, and overlap cost DART 4-7% more CPU time per
+# token (run 31), as SGLang also turns it off for its own speculative workers on CPU.
+CPU_OVERLAP_ENV = "SGLANG_DART_CPU_OVERLAP"
 TREE_SIZES_KEY = "dart_tree_sizes"
 
 _KNOBS = {  # PrunerConfig field: (environment variable, drafter config key, type)
@@ -209,8 +213,11 @@ def refuse_split_kv_pools(server_args: Any) -> None:
 
 def handle_server_args(server_args: Any) -> None:
     """Scheduling DART needs: no mixed prefill/decode batches. Overlap scheduling stays as SGLang sets it
-    (on unless `--disable-overlap-schedule`): the worker tracks each request's tokens itself, so SGLang's
-    one-step-late result processing does not affect it (`progress.py`)."""
+    on a GPU (on unless `--disable-overlap-schedule`): the worker tracks each request's tokens itself, so
+    SGLang's one-step-late result processing does not affect it (`progress.py`). On a CPU it is off unless
+    SGLANG_DART_CPU_OVERLAP=1."""
+    if server_args.device == "cpu" and os.environ.get(CPU_OVERLAP_ENV) != "1":
+        server_args.disable_overlap_schedule = True
     server_args.enable_mixed_chunk = False
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 64

@@ -236,3 +236,27 @@ def test_the_draft_memory_outside_the_kv_plan_is_a_sliver_of_sglangs_reserve(ass
     scratch = DraftForward.scratch_slots(rows, llama8b.draft_length) * draft_bytes_per_slot(llama8b, 2)
     table = rows * (context + llama8b.draft_length + 1) * 4  # int32 slot ids
     assert scratch + table < reserve / 100, (scratch, table, reserve)
+
+
+def test_overlap_scheduling_stays_on_for_cuda_and_is_opt_in_on_a_cpu(assets, monkeypatch):
+    """A GPU server keeps SGLang's overlap scheduling; on a CPU (same cores for both) DART turns it off
+    unless SGLANG_DART_CPU_OVERLAP=1, which the test servers set."""
+    import sglang.srt.server_args as server_args_module
+
+    from sglang_dart.dart.settings import CPU_OVERLAP_ENV
+
+    monkeypatch.delenv(CPU_OVERLAP_ENV, raising=False)
+    assert _cuda_server_args(assets).disable_overlap_schedule is False
+
+    def cpu_args():  # noqa: ANN202
+        return server_args_module.ServerArgs(
+            model_path=str(assets.model),
+            device="cpu",
+            speculative_algorithm="DART",
+            speculative_draft_model_path=str(assets.draft),
+            speculative_ngram_external_corpus_path=str(assets.store),
+        )
+
+    assert cpu_args().disable_overlap_schedule is True
+    monkeypatch.setenv(CPU_OVERLAP_ENV, "1")
+    assert cpu_args().disable_overlap_schedule is False
