@@ -72,3 +72,21 @@ def test_keep_only_forgets_requests_that_left_the_batch():
     progress.keep_only([b])
     assert progress.of(a).root == 2  # read from the request again
     assert progress.of(b).root == 8
+
+
+def test_request_rows_come_from_the_batch_not_from_released_requests():
+    """With overlap a request that finished in the step before rides one more batch after SGLang released
+    it (its req_pool_idx is None): the rows are read from the batch's host copy."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_dart.dart.drafting import request_rows
+
+    released = SimpleNamespace(req_pool_idx=None)
+    batch = SimpleNamespace(reqs=[released, SimpleNamespace(req_pool_idx=3)], req_pool_indices_cpu=None)
+    assert request_rows(SimpleNamespace(**{**vars(batch), "req_pool_indices_cpu": torch.tensor([5, 3])})) == [
+        5,
+        3,
+    ]
+    assert request_rows(batch) == [None, 3]  # no host copy: what the requests say
