@@ -41,6 +41,20 @@ def hooks_installed() -> None:
     HookRegistry.apply_hooks()
 
 
+def _dart_server_args(assets: SimpleNamespace, device: str, **extra: object):  # noqa: ANN202
+    """ServerArgs as `launch_server --device DEVICE --speculative-algorithm DART` resolves them here."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path=str(assets.model),
+        device=device,
+        speculative_algorithm="DART",
+        speculative_draft_model_path=str(assets.draft),
+        speculative_ngram_external_corpus_path=str(assets.store),
+        **extra,
+    )
+
+
 def _cuda_server_args(assets: SimpleNamespace, **extra: object):  # noqa: ANN202
     """ServerArgs as `launch_server --device cuda --speculative-algorithm DART` resolves them on an H100."""
     import sglang.srt.server_args as server_args_module
@@ -50,14 +64,7 @@ def _cuda_server_args(assets: SimpleNamespace, **extra: object):  # noqa: ANN202
         mock.patch.object(server_args_module, "get_device_memory_capacity", return_value=80 * 1024),
         mock.patch.object(server_args_module, "is_flashinfer_available", return_value=True),
     ):
-        return server_args_module.ServerArgs(
-            model_path=str(assets.model),
-            device="cuda",
-            speculative_algorithm="DART",
-            speculative_draft_model_path=str(assets.draft),
-            speculative_ngram_external_corpus_path=str(assets.store),
-            **extra,
-        )
+        return _dart_server_args(assets, "cuda", **extra)
 
 
 def test_a_hopper_gpu_gets_a_backend_that_verifies_trees(assets):
@@ -241,22 +248,10 @@ def test_the_draft_memory_outside_the_kv_plan_is_a_sliver_of_sglangs_reserve(ass
 def test_overlap_scheduling_stays_on_for_cuda_and_is_opt_in_on_a_cpu(assets, monkeypatch):
     """A GPU server keeps SGLang's overlap scheduling; on a CPU (same cores for both) DART turns it off
     unless SGLANG_DART_CPU_OVERLAP=1, which the test servers set."""
-    import sglang.srt.server_args as server_args_module
-
     from sglang_dart.dart.settings import CPU_OVERLAP_ENV
 
     monkeypatch.delenv(CPU_OVERLAP_ENV, raising=False)
     assert _cuda_server_args(assets).disable_overlap_schedule is False
-
-    def cpu_args():  # noqa: ANN202
-        return server_args_module.ServerArgs(
-            model_path=str(assets.model),
-            device="cpu",
-            speculative_algorithm="DART",
-            speculative_draft_model_path=str(assets.draft),
-            speculative_ngram_external_corpus_path=str(assets.store),
-        )
-
-    assert cpu_args().disable_overlap_schedule is True
+    assert _dart_server_args(assets, "cpu").disable_overlap_schedule is True
     monkeypatch.setenv(CPU_OVERLAP_ENV, "1")
-    assert cpu_args().disable_overlap_schedule is False
+    assert _dart_server_args(assets, "cpu").disable_overlap_schedule is False
