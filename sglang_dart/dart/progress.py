@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Tokens kept per request: the root and the two before it (the pruner's 3-gram context), plus every token of
-# the last step, so the one step SGLang may lag behind is always covered. 64 > any tree size + 3.
+# the last step (however large the tree), so the one step SGLang may lag behind is always covered.
 KEPT_TOKENS = 64
 
 
@@ -50,7 +50,8 @@ class RequestProgress:
         """After a verify: the accepted drafts and the bonus token follow the root; the bonus is the new
         root. The root itself becomes committed along with the accepted drafts."""
         now = self.of(req)
-        recent = (now.recent + tuple(new_tokens))[-KEPT_TOKENS:]
+        keep = max(KEPT_TOKENS, len(new_tokens) + 3)
+        recent = (now.recent + tuple(new_tokens))[-keep:]
         self._by_rid[req.rid] = Progress(now.committed + len(new_tokens), recent)
 
     def of(self, req: Any) -> Progress:

@@ -55,11 +55,15 @@ def test_an_unknown_request_is_read_from_its_tokens():
     assert (now.committed, now.root, now.context) == (4, 5, (3, 4))
 
 
-def test_a_lag_beyond_what_is_kept_is_an_error():
+def test_one_step_of_any_size_is_kept_and_a_longer_lag_is_an_error():
     req = Request("a", [1])
     progress = RequestProgress()
     progress.start(req, committed=1, recent=[1, 2])
-    progress.advance(req, list(range(100, 100 + KEPT_TOKENS)))
+    req.output_ids.append(2)
+    big_step = list(range(100, 100 + KEPT_TOKENS + 10))  # a tree larger than KEPT_TOKENS, all accepted
+    progress.advance(req, big_step)
+    assert progress.unseen(req) == big_step
+    progress.advance(req, big_step)  # SGLang two steps behind: more than the worker keeps
     with pytest.raises(AssertionError, match="lags"):
         progress.unseen(req)
 
