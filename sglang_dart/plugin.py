@@ -148,4 +148,7 @@ def register() -> None:
     if cpu_stand_in_active():
         install_cpu_attention()
         patch_jit_cflags()
+        from sglang_dart.peers import install_cpu_support
+
+        install_cpu_support()
         logger.info("sglang_dart: CPU engine, sgl_kernel stand-in; torch_native attention can verify trees")

@@ -14,6 +14,7 @@ checkpoint in the published layout for `--speculative-draft-model-path`, with `t
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import time
 from pathlib import Path
@@ -42,8 +43,24 @@ def read_sequences(path: Path, tokenizer, max_len: int) -> list[list[int]]:
     return sequences.ids
 
 
+# Drafter formats other than DART's own: `sglang_dart.train.peer_<name>` trains and saves one in the layout
+# SGLang's builtin worker for that algorithm loads. Each module has `add_arguments(parser)` (its own
+# options, prefixed with its name) and `train_and_save(args, target, feats, held_out) -> dict` (the report).
+PEER_FORMATS = ("eagle3", "dflash")
+
+
+def peer_format(name: str):  # noqa: ANN201
+    return importlib.import_module(f"sglang_dart.train.peer_{name}")
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_dart.train", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--format",
+        choices=("dart", *PEER_FORMATS),
+        default="dart",
+        help="drafter to train: DART's (default), or EAGLE3's / DFLASH's for SGLang's own workers",
+    )
     p.add_argument("--target", required=True, type=Path, help="target model directory (HF layout)")
     p.add_argument(
         "--data", required=True, type=Path, help=".jsonl of input_ids, text, messages or conversations"
@@ -74,6 +91,8 @@ def make_parser() -> argparse.ArgumentParser:
         help="share of the sequences kept out of training to estimate tau on at the end (0: none)",
     )
     p.add_argument("--init", type=Path, default=None, help="draft checkpoint to continue training from")
+    for name in PEER_FORMATS:
+        peer_format(name).add_arguments(p.add_argument_group(f"--format {name}"))
     return p
 
 
@@ -99,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         f"({len(held_out)} held out)",
         flush=True,
     )
+    if args.format != "dart":
+        report = peer_format(args.format).train_and_save(args, target, feats, held_out)
+        (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        return
     target_config = target.config.to_dict()
     vocab_size = target.config.vocab_size
     embed = target.get_input_embeddings().weight.detach()
