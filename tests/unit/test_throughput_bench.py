@@ -1,6 +1,6 @@
 import pytest
 
-from benchmarks.throughput import Measurement, agreement, output_lengths
+from benchmarks.throughput import Measurement, agreement, eagle3_setting, output_lengths, peer_configs
 
 
 def _run(*outputs: tuple[int, ...]) -> Measurement:
@@ -32,3 +32,33 @@ def test_spread_outside_its_range_is_refused():
     for spread in (-0.1, 1.0):
         with pytest.raises(ValueError, match="length spread"):
             output_lengths(64, spread, 4)
+
+
+def test_eagle3_settings_parse_and_bad_ones_are_refused():
+    assert eagle3_setting("3,4,8") == (3, 4, 8)
+    assert eagle3_setting("5,1,6") == (5, 1, 6)
+    for bad in ("3,4", "a,b,c", "0,4,8", "5,1,8"):
+        with pytest.raises(ValueError, match="EAGLE3 setting"):
+            eagle3_setting(bad)
+
+
+def test_peer_servers_get_sglangs_own_flags(tmp_path):
+    eagle3, dflash = tmp_path / "e3", tmp_path / "df"
+    configs = peer_configs(eagle3, ["3,4,8", "5,1,6"], dflash, [])
+    assert list(configs) == ["EAGLE3 3,4,8", "EAGLE3 5,1,6", "DFLASH"]
+    flags, env = configs["EAGLE3 5,1,6"]
+    assert flags == [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(eagle3),
+        "--speculative-num-steps", "5", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "6",
+    ]  # fmt: skip
+    assert env == {}
+    assert configs["DFLASH"][0] == [
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        str(dflash),
+    ]
+    blocks = peer_configs(None, ["3,4,8"], dflash, [4, 8])
+    assert list(blocks) == ["DFLASH block 4", "DFLASH block 8"]
+    assert blocks["DFLASH block 8"][0][-2:] == ["--speculative-dflash-block-size", "8"]
