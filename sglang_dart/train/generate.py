@@ -143,6 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--magpie", type=int, default=0, help="add this many user prompts written by the target itself"
     )
+    p.add_argument(
+        "--magpie-system",
+        default=None,
+        help="system prompt that frames the sampled user turns, e.g. a coding assistant's to get code "
+        "questions (the answers use the template's default)",
+    )
     args = p.parse_args(argv)
     if args.temperature < 0 or args.samples_per_prompt < 1:
         p.error("--temperature must be >= 0 and --samples-per-prompt >= 1")
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"{args.target}: the tokenizer has no chat template to put prompts in")
     if args.magpie and not resume:
         try:
-            magpie.user_turn_prefix(tokenizer)
+            magpie.user_turn_prefix(tokenizer, args.magpie_system)
         except ValueError as exc:
             p.error(f"--magpie: {exc}")
     count = tokens = 0
@@ -225,7 +231,7 @@ def _magpie_prompts(
 
         written, skipped = magpie.sample_prompts(
             server, tokenizer, wanted, exclude | set(map(_prompt_key, others)) | set(saved),
-            concurrency=args.concurrency, on_kept=keep,
+            concurrency=args.concurrency, on_kept=keep, system=args.magpie_system,
         )  # fmt: skip
     print(
         f"magpie: {len(saved) + len(written)} prompts written by the target"

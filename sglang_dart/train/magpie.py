@@ -20,10 +20,13 @@ _SENTINEL = "\u2063MAGPIE\u2063"  # no chat template produces this text itself
 MIN_WORDS = 3
 
 
-def user_turn_prefix(tokenizer: Any) -> list[int]:
+def user_turn_prefix(tokenizer: Any, system: str | None = None) -> list[int]:
     """The token ids a chat starts with, up to where the first user message's text goes (a default system
-    prompt included). Raises ValueError for a template that does not place the message after a prefix."""
-    ids = templated_ids(tokenizer, [{"role": "user", "content": _SENTINEL}])
+    prompt included, or `system` instead: a framing such as a coding assistant's makes the target write
+    the user turns such an assistant gets). Raises ValueError for a template that does not place the
+    message after a prefix."""
+    framing = [{"role": "system", "content": system}] if system else []
+    ids = templated_ids(tokenizer, [*framing, {"role": "user", "content": _SENTINEL}])
     text = tokenizer.decode(ids)
     at = text.find(_SENTINEL)
     if at <= 0:
@@ -68,12 +71,14 @@ def sample_prompts(
     concurrency: int = 16,
     max_rounds: int = 8,
     on_kept: Callable[[str], None] | None = None,
+    system: str | None = None,
 ) -> tuple[list[str], Counter]:
     """Up to `count` distinct prompts sampled from the target through `server` (a running SGLang server);
     rounds of requests continue until there are enough or `max_rounds` rounds have run. Returns the
     prompts and the counts of what was skipped, by reason; `on_kept` is called with each prompt as it is
-    kept (the caller saves it, so an interrupted run keeps what it sampled)."""
-    prefix = user_turn_prefix(tokenizer)
+    kept (the caller saves it, so an interrupted run keeps what it sampled). `system` frames the sampled
+    turns only (see `user_turn_prefix`); the answers are generated without it."""
+    prefix = user_turn_prefix(tokenizer, system)
     markers = tuple(t for t in tokenizer.all_special_tokens if t and len(t) > 1)
     excluded = {normalized(p) for p in exclude or ()}
     seen: set[str] = set()

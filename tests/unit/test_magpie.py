@@ -39,6 +39,11 @@ def test_prefix_keeps_a_default_system_prompt(tokenizer):
         tokenizer.chat_template = CHAT_TEMPLATE
 
 
+def test_a_framing_system_prompt_replaces_the_default(tokenizer):
+    prefix = tokenizer.decode(user_turn_prefix(tokenizer, system="You help with code."))
+    assert prefix == "<|im_start|>system\nYou help with code.<|im_end|>\n<|im_start|>user\n"
+
+
 @pytest.mark.parametrize(
     ("text", "finished", "reason"),
     [
@@ -124,7 +129,7 @@ def test_magpie_prompts_an_interrupted_run_saved_are_kept_and_only_the_rest_samp
             ("Explain recursion to a child.", "stop"),
         ]
     )
-    args = Namespace(magpie=3, concurrency=4)
+    args = Namespace(magpie=3, concurrency=4, magpie_system=None)
     prompts = _magpie_prompts(replies, tokenizer, args, set(), ["a pool prompt"], side)
     assert prompts == [
         "How do I sort a dict by value?",
