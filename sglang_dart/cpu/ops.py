@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sglang_dart.cpu.eagle_ops import assign_draft_cache_locs_contiguous_cpu, build_tree_kernel_efficient_cpu
+
 
 def _segment_offsets(start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For per-request ranges [start, end): the request index and the in-request column of every element."""
@@ -183,6 +185,8 @@ def fill_bonus_tokens_cpu(
 PROVIDED_OPS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
     for fn in (
+        assign_draft_cache_locs_contiguous_cpu,  # EAGLE's ops (eagle_ops.py)
+        build_tree_kernel_efficient_cpu,
         assign_req_to_token_pool_cpu,
         assign_extend_cache_locs_cpu,
         copy_all_layer_kv_cache_cpu,

@@ -1,0 +1,208 @@
+"""Training an EAGLE3 drafter with training-time test (EAGLE-3's recipe): every step unrolls the drafter
+`ttt_steps` times over a window of one of the target's own sequences (`Eagle3Drafter.ttt_logits`), each
+unrolled step fed the hidden state the previous one produced, with a cross-entropy against the target's
+greedy token on each, weighted gamma^step. Progress lines and the learning-rate schedule are the DART
+trainer's (`trainer.py`)."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sglang_dart.train.eagle3_model import Eagle3Drafter
+from sglang_dart.train.estimate import AcceptEstimate, _leading_hits
+from sglang_dart.train.features import SequenceFeatures
+from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, progress_line
+from sglang_dart.train.vocab import DraftVocab
+
+
+@dataclass(frozen=True)
+class Window:
+    """Draft position p (0-based in the window) carries taps[p] and tokens[p] and is supervised by
+    labels[p] (the target's greedy token two places after the tap's position)."""
+
+    taps: torch.Tensor  # [n, 3H]
+    tokens: torch.Tensor  # [n]
+    labels: torch.Tensor  # [n] draft ids, -100 outside the draft vocabulary
+
+
+def window_of(feats: SequenceFeatures, vocab: DraftVocab, start: int, length: int) -> Window:
+    """Position p of the sequence: taps of p, token p + 1, label = the target's argmax at p + 1."""
+    end = min(start + length, feats.input_ids.shape[0] - 1)
+    return Window(
+        feats.taps[start:end],
+        feats.input_ids[start + 1 : end + 1],
+        vocab.to_draft(feats.labels[start + 1 : end + 1]),
+    )
+
+
+def step_rows(logits: list[torch.Tensor], labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, labels) of the positions each unrolled step is defined at (p >= step)."""
+    return [(step_logits[k:], labels[k:]) for k, step_logits in enumerate(logits)]
+
+
+def window_loss(
+    model: Eagle3Drafter, window: Window, steps: int, decay: float
+) -> tuple[torch.Tensor, RowStats]:
+    logits = model.ttt_logits(window.taps.to(model.fc.weight.dtype), window.tokens, steps)
+    stats = RowStats()
+    losses, weights = [], []
+    for k, (rows, labels) in enumerate(step_rows(logits, window.labels)):
+        keep = labels >= 0
+        if not bool(keep.any()):
+            continue
+        rows, labels = rows[keep].float(), labels[keep]
+        losses.append(nn.functional.cross_entropy(rows, labels) * decay**k)
+        weights.append(decay**k)
+        stats.add(k, int((rows.argmax(-1) == labels).sum()), int(labels.shape[0]))
+    if not losses:
+        return logits[0].sum() * 0.0, stats
+    return torch.stack(losses).sum() / sum(weights), stats
+
+
+def lr_factor(settings: TrainSettings, step: int, elapsed: float) -> float:
+    """Linear warm-up, then cosine decay to 10% over whichever budget (steps or time) runs out first."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
+    progress = max(progress, elapsed / settings.max_seconds)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train(
+    model: Eagle3Drafter,
+    data: list[SequenceFeatures],
+    vocab: DraftVocab,
+    settings: TrainSettings,
+    ttt_steps: int,
+    window: int,
+    log=print,
+) -> list[float]:
+    """Train in place; returns every step's loss."""
+    usable = [f for f in data if f.input_ids.shape[0] >= ttt_steps + 2]
+    if not usable:
+        raise SystemExit(
+            f"no training sequence has the {ttt_steps + 2} tokens {ttt_steps} unrolled steps need"
+        )
+    rng = random.Random(settings.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
+    live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
+    order: list[int] = []
+    losses: list[float] = []
+    logged = RowStats()
+    shown = 0.0
+    start = time.monotonic()
+    model.train()
+    for step in range(settings.max_steps):
+        elapsed = time.monotonic() - start
+        if elapsed > settings.max_seconds:
+            log(f"time budget reached after {step} steps")
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = settings.learning_rate * lr_factor(settings, step, elapsed)
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for _ in range(settings.sequences_per_step):
+            if not order:
+                order = list(range(len(usable)))
+                rng.shuffle(order)
+            feats = usable[order.pop()]
+            positions = feats.input_ids.shape[0] - 1
+            first = rng.randrange(max(1, positions - window + 1))
+            with cpu_bf16_autocast(settings.bf16_autocast, feats.taps):
+                loss, stats = window_loss(
+                    model, window_of(feats, vocab, first, window), ttt_steps, settings.row_decay
+                )
+            (loss / settings.sequences_per_step).backward()
+            step_loss += float(loss.detach()) / settings.sequences_per_step
+            for k, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
+                logged.add(k, int(c), int(t))
+        nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        optimizer.step()
+        losses.append(step_loss)
+        elapsed = time.monotonic() - start
+        if live and elapsed - shown >= 0.5:
+            recent = losses[-20:]
+            line = progress_line(step + 1, settings, elapsed, sum(recent) / len(recent), logged.accuracy())
+            sys.stderr.write(f"\r\033[K{line}")
+            sys.stderr.flush()
+            shown = elapsed
+        if settings.log_every and (step + 1) % settings.log_every == 0:
+            if live:
+                sys.stderr.write("\r\033[K")
+            mean = sum(losses[-settings.log_every :]) / settings.log_every
+            log(
+                progress_line(step + 1, settings, elapsed, mean, logged.accuracy()).replace(
+                    "by row", "by step"
+                )
+            )
+            logged = RowStats()
+    if live:
+        sys.stderr.write("\n")
+    tail = len(losses) % settings.log_every if settings.log_every else len(losses)
+    if tail:  # the steps since the last progress line
+        mean = sum(losses[-tail:]) / tail
+        line = progress_line(len(losses), settings, time.monotonic() - start, mean, logged.accuracy())
+        log(line.replace("by row", "by step"))
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def estimate_acceptance(
+    model: Eagle3Drafter,
+    data: list[SequenceFeatures],
+    vocab: DraftVocab,
+    ttt_steps: int,
+    k: int = 8,
+    window: int = 1024,
+    bf16_autocast: bool = True,
+) -> AcceptEstimate | None:
+    """Greedy chain acceptance on held-out sequences, every anchor a whose ttt_steps drafts all have a
+    label: step j's guess at position a + j against the target's token there; tau = 1 + the leading
+    right guesses (the target's own token always comes along). None when no sequence is long enough."""
+    was_training = model.training
+    model.eval()
+    correct = torch.zeros(ttt_steps)
+    anchors = 0
+    chain_total = bound_total = 0.0
+    sequences = 0
+    try:
+        for feats in data:
+            win = window_of(feats, vocab, 0, window)
+            n = win.tokens.shape[0]
+            count = n - ttt_steps + 1
+            if count <= 0:
+                continue
+            with cpu_bf16_autocast(bf16_autocast, feats.taps):
+                logits = model.ttt_logits(win.taps.to(model.fc.weight.dtype), win.tokens, ttt_steps)
+            a = torch.arange(count)
+            rows = torch.stack([logits[j][a + j].float() for j in range(ttt_steps)], dim=1)  # [A, steps, Vd]
+            labels = torch.stack([win.labels[a + j] for j in range(ttt_steps)], dim=1)
+            top1 = (rows.argmax(-1) == labels) & (labels >= 0)
+            in_topk = (rows.topk(min(k, rows.shape[-1]), dim=-1).indices == labels.unsqueeze(-1)).any(-1)
+            in_topk &= labels >= 0
+            correct += top1.float().sum(0)
+            anchors += count
+            chain_total += float((1 + _leading_hits(top1)).sum())
+            bound_total += float((1 + _leading_hits(in_topk)).sum())
+            sequences += 1
+    finally:
+        model.train(was_training)
+    if not anchors:
+        return None
+    return AcceptEstimate(
+        sequences=sequences,
+        anchors=anchors,
+        top1_by_row=(correct / anchors).tolist(),
+        tau_chain=chain_total / anchors,
+        tau_topk_bound=bound_total / anchors,
+        k=k,
+    )
