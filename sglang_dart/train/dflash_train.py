@@ -1,0 +1,230 @@
+"""DFLASH's anchor-block loss, its training loop and its held-out acceptance estimate.
+
+An anchor s (1 <= s < T) stands for a verify step whose last accepted token is x_s: the drafter sees the
+target's hidden states at positions < s and the block [x_s, mask, ..., mask]; block position j >= 1 is
+trained towards the target's greedy token at s + j, i.e. its argmax at position s + j - 1 (`labels`).
+Position j is weighted gamma^(j-1): a draft at j only counts when every one before it was accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sglang_dart.train.dflash_model import DFlashDrafter
+from sglang_dart.train.features import SequenceFeatures
+from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, progress_line
+
+LOG_SECONDS = 15.0
+
+
+@dataclass(frozen=True)
+class FrozenTarget:
+    """What the drafter borrows from the target: its input embedding and LM head (never trained)."""
+
+    embed: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H]
+
+
+@dataclass
+class BlockLoss:
+    loss: torch.Tensor
+    stats: RowStats  # top-1 per block position (row 0 = block position 1)
+
+
+def block_logits(
+    model: DFlashDrafter,
+    target: FrozenTarget,
+    feats: SequenceFeatures,
+    anchors: torch.Tensor,
+    block: int,
+    mask_id: int,
+) -> torch.Tensor:
+    """[A, block-1, V] logits of block positions 1..block-1 for the anchors (sorted positions >= 1)."""
+    ids = torch.full((anchors.shape[0], block), mask_id, dtype=torch.long)
+    ids[:, 0] = feats.input_ids[anchors]
+    seen = int(anchors.max())  # no block sees the context at or after its own anchor
+    taps = feats.taps[:seen].to(model.fc.weight.dtype)
+    hidden = model(target.embed[ids], anchors, taps)
+    # The LM head in float32 outside autocast: on CPUs without AMX a bf16 product of this size (rows x the
+    # whole vocabulary) ran several times slower than float32, and it is most of a step's work.
+    # A 2-D product: a batched one against the broadcast head was slower on CPU, forward and backward.
+    with torch.autocast("cpu", enabled=False):
+        rows = hidden[:, 1:].float()
+        return (rows.reshape(-1, rows.shape[-1]) @ target.lm_head.T).view(*rows.shape[:2], -1)
+
+
+def block_labels(feats: SequenceFeatures, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """[A, block-1] target greedy token for block positions 1..block-1; -100 past the sequence's end."""
+    index = anchors.unsqueeze(1) + torch.arange(block - 1)  # argmax at s + j - 1 drafts the token at s + j
+    inside = index < feats.labels.shape[0]
+    return torch.where(inside, feats.labels[index.clamp(max=feats.labels.shape[0] - 1)], -100)
+
+
+def block_loss(
+    model: DFlashDrafter,
+    target: FrozenTarget,
+    feats: SequenceFeatures,
+    anchors: torch.Tensor,
+    block: int,
+    mask_id: int,
+    decay: float,
+) -> BlockLoss:
+    logits = block_logits(model, target, feats, anchors, block, mask_id)
+    labels = block_labels(feats, anchors, block)
+    # One cross-entropy over every row (per-position slices of the logits cost a full-size zero gradient
+    # each in backward), then a mean per block position.
+    flat = logits.reshape(-1, logits.shape[-1])
+    losses = nn.functional.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="none")
+    losses = losses.view(labels.shape)
+    hits = (logits.detach().argmax(-1) == labels) & (labels >= 0)
+    stats = RowStats()
+    total, weights = logits.new_zeros(()), 0.0
+    for j in range(block - 1):
+        keep = labels[:, j] >= 0
+        count = int(keep.sum())
+        if not count:
+            continue
+        total = total + losses[keep, j].mean() * decay**j
+        weights += decay**j
+        stats.add(j, int(hits[:, j].sum()), count)
+    return BlockLoss(total / weights, stats)
+
+
+def sample_anchors(length: int, count: int, rng: random.Random) -> torch.Tensor:
+    """Sorted anchors in [1, length): every block has at least one earlier position as context."""
+    population = range(1, length)
+    return torch.tensor(sorted(rng.sample(population, min(count, len(population)))), dtype=torch.long)
+
+
+def lr_factor(step: int, elapsed: float, settings: TrainSettings) -> float:
+    """Linear warm-up, then cosine decay to 10% over whichever budget (steps or time) runs out first (the
+    DART trainer's schedule)."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
+    progress = max(progress, elapsed / settings.max_seconds)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train(
+    model: DFlashDrafter,
+    target: FrozenTarget,
+    data: list[SequenceFeatures],
+    settings: TrainSettings,
+    block: int,
+    mask_id: int,
+    log=print,
+) -> list[float]:
+    """Train in place; returns every step's loss. Logs loss, top-1 per block position and the ETA."""
+    usable = [f for f in data if f.input_ids.shape[0] >= 2]
+    if not usable:
+        raise ValueError("no training sequence has the 2 tokens an anchor block needs")
+    rng = random.Random(settings.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
+    live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
+    order: list[int] = []
+    losses: list[float] = []
+    window, shown, logged, last_logged_step, start = RowStats(), 0.0, 0.0, 0, time.monotonic()
+    model.train()
+    for step in range(settings.max_steps):
+        elapsed = time.monotonic() - start
+        if elapsed > settings.max_seconds:
+            log(f"time budget reached after {step} steps")
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = settings.learning_rate * lr_factor(step, elapsed, settings)
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for _ in range(settings.sequences_per_step):
+            if not order:
+                order = list(range(len(usable)))
+                rng.shuffle(order)
+            feats = usable[order.pop()]
+            anchors = sample_anchors(feats.input_ids.shape[0], settings.anchors_per_sequence, rng)
+            with cpu_bf16_autocast(settings.bf16_autocast, feats.taps):
+                result = block_loss(model, target, feats, anchors, block, mask_id, settings.row_decay)
+            (result.loss / settings.sequences_per_step).backward()
+            step_loss += float(result.loss.detach()) / settings.sequences_per_step
+            for row, (c, t) in enumerate(zip(result.stats.correct, result.stats.total, strict=True)):
+                window.add(row, int(c), int(t))
+        nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        optimizer.step()
+        losses.append(step_loss)
+        elapsed = time.monotonic() - start
+        if live and elapsed - shown >= 0.5:
+            line = progress_line(
+                step + 1, settings, elapsed, sum(losses[-20:]) / len(losses[-20:]), window.accuracy()
+            )
+            sys.stderr.write(f"\r\033[K{line}")
+            sys.stderr.flush()
+            shown = elapsed
+        # Every log_every steps, and at least every LOG_SECONDS: a CPU step of the full-vocabulary head can
+        # take seconds, and a run must show its loss and ETA long before 25 of them.
+        if settings.log_every and ((step + 1) % settings.log_every == 0 or elapsed - logged >= LOG_SECONDS):
+            if live:
+                sys.stderr.write("\r\033[K")
+            recent = losses[last_logged_step:]
+            log(progress_line(step + 1, settings, elapsed, sum(recent) / len(recent), window.accuracy()))
+            window, logged, last_logged_step = RowStats(), elapsed, step + 1
+    if live:
+        sys.stderr.write("\n")
+    model.eval()
+    return losses
+
+
+@dataclass(frozen=True)
+class BlockEstimate:
+    sequences: int
+    anchors: int
+    top1_by_position: list[float]  # block positions 1..B-1
+    tau: float  # mean tokens per verify step: 1 + leading correct drafts
+
+    def describe(self) -> str:
+        rows = " ".join(f"{a:.2f}" for a in self.top1_by_position)
+        return (
+            f"held-out {self.sequences} sequences, {self.anchors} anchor blocks: top-1 by block position "
+            f"[{rows}]; estimated tau {self.tau:.2f} (tokens per verify step, greedy)"
+        )
+
+
+@torch.no_grad()
+def estimate_acceptance(
+    model: DFlashDrafter,
+    target: FrozenTarget,
+    data: list[SequenceFeatures],
+    block: int,
+    mask_id: int,
+    max_anchors_per_sequence: int = 64,
+    bf16_autocast: bool = True,
+    seed: int = 0,
+) -> BlockEstimate | None:
+    """Greedy chain verification of each anchor block: accepted = leading block positions whose draft is the
+    target's token, plus the target's own token. Only blocks whose every position has a label count (one cut
+    short by the sequence's end would count as a miss). None when no held-out sequence has such a block."""
+    rng = random.Random(seed)
+    correct = torch.zeros(block - 1)
+    anchors_seen, sequences, total = 0, 0, 0.0
+    model.eval()
+    for feats in data:
+        length = feats.input_ids.shape[0] - block + 2  # anchors s < length have labels up to s + block - 2
+        if length <= 1:
+            continue
+        anchors = sample_anchors(length, max_anchors_per_sequence, rng)
+        with cpu_bf16_autocast(bf16_autocast, feats.taps):
+            logits = block_logits(model, target, feats, anchors, block, mask_id)
+        hits = logits.float().argmax(-1) == block_labels(feats, anchors, block)
+        correct += hits.float().sum(0)
+        total += float((1 + hits.int().cumprod(1).sum(1)).sum())
+        anchors_seen += anchors.shape[0]
+        sequences += 1
+    if not anchors_seen:
+        return None
+    return BlockEstimate(sequences, anchors_seen, (correct / anchors_seen).tolist(), total / anchors_seen)

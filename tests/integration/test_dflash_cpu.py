@@ -1,0 +1,125 @@
+"""SGLang's builtin DFLASH (a parallel block drafter) serves on this CPU-only machine through the plugin,
+with a drafter trained here by `python -m sglang_dart.train --format dflash`: its greedy output equals plain
+decoding token for token (float32, 50 prompts, concurrency 1 and 8), and drafts are really accepted.
+
+The drafter is trained for 200 steps (about a minute on 2 idle cores, 3 at most) on the plain server's own
+greedy answers to the test prompts, so that it accepts enough for the accept path (several tokens committed
+per verify step) to be exercised. Block size: 4 (anchor token + 3 drafts per verify step)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from sglang_dart.server_process import SglangServer
+from tests.support.prompts_many import many_prompts
+
+pytestmark = pytest.mark.server
+
+NEW_TOKENS = 24
+BLOCK = 4
+PROMPTS = 50
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2_f32_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from tests.support.prompts import chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
+    return [chat_ids(tokenizer, p) for p in many_prompts(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def plain_answers(smollm2_server, chat_prompts) -> list[list[int]]:
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(lambda ids: smollm2_server.greedy_ids(ids, NEW_TOKENS), chat_prompts))
+
+
+@pytest.fixture(scope="module")
+def dflash_drafter(smollm2_f32_dir, chat_prompts, plain_answers, tmp_path_factory) -> Path:
+    """Trained through the CLI on the target's own answers (prompt + answer ids per row)."""
+    root = tmp_path_factory.mktemp("dflash-smollm2")
+    data = root / "answers.jsonl"
+    rows = [{"input_ids": p + a} for p, a in zip(chat_prompts, plain_answers, strict=True)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    command = [
+        sys.executable, "-m", "sglang_dart.train", "--format", "dflash", "--target", str(smollm2_f32_dir),
+        "--data", str(data), "--out", str(root / "draft"), "--dflash-block-size", str(BLOCK),
+        "--max-steps", "200", "--max-minutes", "3", "--sequences-per-step", "1", "--anchors", "64",
+        "--lr", "3e-3", "--no-bf16", "--holdout", "0",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "top-1 by row" in done.stdout and "ETA" in done.stdout, done.stdout  # progress while training
+    return root / "draft"
+
+
+@pytest.fixture(scope="module")
+def dflash_server(smollm2_f32_dir, dflash_drafter, server_logs) -> Iterator[SglangServer]:
+    args = [
+        "--dtype", "float32", "--speculative-algorithm", "DFLASH",
+        "--speculative-draft-model-path", str(dflash_drafter), "--max-running-requests", "8",
+    ]  # fmt: skip
+    server = SglangServer(smollm2_f32_dir, args, server_logs / "smollm2-dflash.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_dflash_greedy_equals_plain(dflash_server, chat_prompts, plain_answers, concurrency):
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+    outs = dflash_server.generate_many(chat_prompts, params, concurrency)
+    for i, (out, want) in enumerate(zip(outs, plain_answers, strict=True)):
+        assert out["output_ids"] == want, f"prompt {i}"
+    # Speculation must really commit drafted tokens, or this would pass with DFLASH drafting nothing useful.
+    emitted = sum(out["meta_info"]["completion_tokens"] for out in outs)
+    steps = sum(out["meta_info"]["spec_verify_ct"] for out in outs)
+    assert steps > 0
+    print(f"DFLASH block {BLOCK}, concurrency {concurrency}: {emitted / steps:.2f} tokens per verify step")
+    assert emitted / steps > 1.2, f"tokens per verify step {emitted / steps:.3f}"
+    log = dflash_server.log_text()
+    assert f"block_size={BLOCK}" in log and "attention_backend=torch_native" in log
+    assert dflash_server.healthy()
+
+
+def _untrained_drafter(out: Path, target_config: dict, **dflash: object) -> Path:
+    """A DFLASH checkpoint in the trainer's layout for `target_config` (random weights), its dflash_config
+    overridden by `dflash`."""
+    from sglang_dart.train.dflash_model import DFlashDrafter, DFlashShape
+    from sglang_dart.train.peer_dflash import draft_config, save
+
+    config = draft_config(target_config, 1, BLOCK, 3, "<repo_name>")
+    config["dflash_config"].update(dflash)
+    save(DFlashDrafter(DFlashShape.from_config(config)), config, out)
+    return out
+
+
+def _launch_dflash(target: Path, draft: Path) -> str:
+    from sglang_dart.server_process import device_flag, free_port, run_launcher
+
+    args = ["--model-path", str(target), *device_flag(), "--port", str(free_port()), "--dtype", "float32"]
+    args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
+    result = run_launcher(args)
+    assert result.returncode != 0
+    return result.stdout + result.stderr
+
+
+def test_mask_id_outside_the_vocabulary_stops_the_server(tiny_llama_dir, tmp_path):
+    target = json.loads((tiny_llama_dir / "config.json").read_text())
+    draft = _untrained_drafter(tmp_path / "draft", target, mask_token_id=target["vocab_size"])
+    assert "DFLASH mask_token_id is outside the target vocab size" in _launch_dflash(tiny_llama_dir, draft)
+
+
+def test_drafter_of_another_target_stops_the_server(tiny_llama_dir, tmp_path):
+    target = json.loads((tiny_llama_dir / "config.json").read_text())
+    other = {**target, "hidden_size": 2 * target["hidden_size"], "intermediate_size": 32}
+    output = _launch_dflash(tiny_llama_dir, _untrained_drafter(tmp_path / "draft", other))
+    assert "the DFLASH draft checkpoint was made for another target model: hidden_size" in output
