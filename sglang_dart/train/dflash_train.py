@@ -8,7 +8,6 @@ Position j is weighted gamma^(j-1): a draft at j only counts when every one befo
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 import time
@@ -19,7 +18,13 @@ from torch import nn
 
 from sglang_dart.train.dflash_model import DFlashDrafter
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, progress_line
+from sglang_dart.train.trainer import (
+    RowStats,
+    TrainSettings,
+    cpu_bf16_autocast,
+    lr_factor,
+    progress_line,
+)
 
 LOG_SECONDS = 15.0
 
@@ -103,16 +108,6 @@ def sample_anchors(length: int, count: int, rng: random.Random) -> torch.Tensor:
     return torch.tensor(sorted(rng.sample(population, min(count, len(population)))), dtype=torch.long)
 
 
-def lr_factor(step: int, elapsed: float, settings: TrainSettings) -> float:
-    """Linear warm-up, then cosine decay to 10% over whichever budget (steps or time) runs out first (the
-    DART trainer's schedule)."""
-    if step < settings.warmup_steps:
-        return (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
-    progress = max(progress, elapsed / settings.max_seconds)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def train(
     model: DFlashDrafter,
     target: FrozenTarget,
@@ -140,7 +135,7 @@ def train(
             log(f"time budget reached after {step} steps")
             break
         for group in optimizer.param_groups:
-            group["lr"] = settings.learning_rate * lr_factor(step, elapsed, settings)
+            group["lr"] = settings.learning_rate * lr_factor(settings, step, elapsed)
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         for _ in range(settings.sequences_per_step):

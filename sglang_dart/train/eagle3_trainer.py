@@ -6,7 +6,6 @@ trainer's (`trainer.py`)."""
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 import time
@@ -18,7 +17,13 @@ from torch import nn
 from sglang_dart.train.eagle3_model import Eagle3Drafter
 from sglang_dart.train.estimate import AcceptEstimate, _leading_hits
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, progress_line
+from sglang_dart.train.trainer import (
+    RowStats,
+    TrainSettings,
+    cpu_bf16_autocast,
+    lr_factor,
+    progress_line,
+)
 from sglang_dart.train.vocab import DraftVocab
 
 
@@ -64,15 +69,6 @@ def window_loss(
     if not losses:
         return logits[0].sum() * 0.0, stats
     return torch.stack(losses).sum() / sum(weights), stats
-
-
-def lr_factor(settings: TrainSettings, step: int, elapsed: float) -> float:
-    """Linear warm-up, then cosine decay to 10% over whichever budget (steps or time) runs out first."""
-    if step < settings.warmup_steps:
-        return (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
-    progress = max(progress, elapsed / settings.max_seconds)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def train(

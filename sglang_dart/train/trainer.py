@@ -125,6 +125,16 @@ def sample_anchors(num_real: int, count: int, rng: random.Random) -> torch.Tenso
     return torch.tensor(sorted(rng.sample(range(num_real), count)), dtype=torch.long)
 
 
+def lr_factor(settings: TrainSettings, step: int, elapsed: float) -> float:
+    """Linear warm-up, then cosine decay to 10% over whichever budget (steps or time) runs out first (every
+    format's trainer uses this schedule)."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
+    progress = max(progress, elapsed / settings.max_seconds)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
 def train(
     model: DartDrafter,
     data: list[SequenceFeatures],
@@ -136,14 +146,6 @@ def train(
     rng = random.Random(settings.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
-
-    def lr_factor(step: int, elapsed: float) -> float:
-        """Linear warm-up, then cosine decay to 10% over whichever budget (steps or time) runs out first."""
-        if step < settings.warmup_steps:
-            return (step + 1) / settings.warmup_steps
-        progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
-        progress = max(progress, elapsed / settings.max_seconds)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     usable = [f for f in data if f.input_ids.shape[0] >= 3]
     if not usable:
@@ -161,7 +163,7 @@ def train(
             log(f"time budget reached after {step} steps")
             break
         for group in optimizer.param_groups:
-            group["lr"] = settings.learning_rate * lr_factor(step, time.monotonic() - start)
+            group["lr"] = settings.learning_rate * lr_factor(settings, step, time.monotonic() - start)
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         for _ in range(settings.sequences_per_step):
