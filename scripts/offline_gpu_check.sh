@@ -18,6 +18,12 @@ T0=$(date +%s)
 OUT=${OUT:-/tmp/out}
 PY=${PY:-python3}
 mkdir -p "$OUT" && tar -C .gpu -xJf .gpu/smol.tar.xz || exit 3
+# A bundle larger than one call carries travels as `split` parts: earlier calls leave theirs in
+# /tmp/bundle-parts (run `mkdir -p /tmp/bundle-parts && cp .gpu/bundle.part-* /tmp/bundle-parts/`), the
+# last call carries the rest in .gpu/.
+if [ ! -f .gpu/bundle.tar.xz ] && ls .gpu/bundle.part-* >/dev/null 2>&1; then
+    mkdir -p /tmp/bundle-parts && cp .gpu/bundle.part-* /tmp/bundle-parts/ && cat /tmp/bundle-parts/bundle.part-* > .gpu/bundle.tar.xz
+fi
 if [ ! -d /tmp/site/sglang ]; then mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/bundle.tar.xz || exit 3; fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
@@ -33,6 +39,27 @@ for m in ["torch", "sgl_kernel", "flashinfer", "sglang", "sglang.srt.managers.sc
         print("FAIL", m, type(e).__name__, str(e)[:300])
 print(f"imports {time.time() - t:.1f}s")
 PYEOF
+# FlashInfer JIT-builds its norm and sampling modules at first use (SGLang's RMSNorm and sampled verify
+# reach them); build both now, side by side, so that no server start spends its timeout on nvcc.
+[ -n "${SKIP_PREWARM:-}" ] || for module in norm sampling; do
+  ( timeout "${PREWARM_TIMEOUT:-300}" $PY - "$module" <<'PYEOF' 2>&1 | grep -v "^\[" | tail -5 ) &
+import sys, time
+import torch, flashinfer
+t = time.time()
+x = torch.randn(4, 576, device="cuda", dtype=torch.bfloat16)
+if sys.argv[1] == "norm":
+    flashinfer.norm.rmsnorm(x, torch.ones(576, device="cuda", dtype=torch.bfloat16), 1e-5)
+    flashinfer.norm.fused_add_rmsnorm(x, x.clone(), torch.ones(576, device="cuda", dtype=torch.bfloat16), 1e-5)
+else:
+    probs = torch.softmax(torch.randn(4, 49152, device="cuda"), -1)
+    flashinfer.sampling.top_p_renorm_probs(probs, 0.9)
+    flashinfer.sampling.top_k_renorm_probs(probs, 20)
+    flashinfer.sampling.top_k_top_p_sampling_from_probs(probs, 20, 0.9)
+torch.cuda.synchronize()
+print(f"flashinfer {sys.argv[1]} JIT ready in {time.time() - t:.0f}s")
+PYEOF
+done; wait
+echo "prewarm done after $(( $(date +%s)-T0 ))s"
 ATTN=${ATTN:-triton}
 timeout "${GC_TIMEOUT:-420}" $PY benchmarks/gpu_check.py --random-target-like .gpu/smol \
     ${ATTN:+--attention-backend "$ATTN"} \
