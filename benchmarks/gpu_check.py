@@ -154,6 +154,11 @@ def _greedy_and_timings(
     try:
         outs = {name: _run(s, prompts[:32], greedy, 8)[0] for name, s in servers.items()}
         report["greedy_parity"] = _parity(outs["plain"], outs["dart"])
+        # The yardstick for that figure: plain decoding against itself, one request at a time instead of
+        # eight (other kernels and batch shapes, same model). A target whose greedy tokens are near-ties
+        # in this dtype (random weights) differs from itself too.
+        one_by_one = _run(servers["plain"], prompts[:32], greedy, 1)[0]
+        report["plain_self_parity"] = _parity(outs["plain"], one_by_one)
         report["tau"] = _tau(outs["dart"])
         _save(args, report)
         timings: dict = {}
@@ -176,9 +181,14 @@ def _greedy_and_timings(
 
 def _float32_parity(args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict) -> None:
     """Greedy parity in float32, where a near-tie rounding differently between a one-row decode and an
-    N-row verify is rare enough that every output should match. Not a default: on CUDA, SGLang 0.5.17's
-    RMSNorm (sgl_kernel) has no float32 kernel, so plain serving fails there too (seen on an H200)."""
+    N-row verify is rare enough that every output should match. On CUDA SGLang 0.5.17's RMSNorm
+    (sgl_kernel) has no float32 kernel (plain serving fails there too, seen on an H200); under
+    --enable-deterministic-inference SGLang runs its batch-invariant/native RMSNorm instead."""
+    import torch
+
     f32 = [a if a != args.dtype else "float32" for a in common]
+    if torch.cuda.is_available():
+        f32 += ["--enable-deterministic-inference"]
     greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     prompts = _chat_ids(args.model, 32)
     servers = _servers_side_by_side({"plain-f32": f32, "dart-f32": f32 + dart_args}, args)
@@ -306,7 +316,15 @@ def _finish(args: argparse.Namespace, report: dict) -> int:
     """Write the report; fail when a check failed or fewer than 80% of bf16 greedy outputs equal plain's
     (bf16 rounding aside, a broken verify path departs in nearly every output)."""
     _save(args, report)
-    summary = ("greedy_parity", "tau", "float32_greedy_parity", "seeded_sampling_parity", "errors")
+    summary = (
+        "greedy_parity",
+        "plain_self_parity",
+        "tau",
+        "float32_greedy_parity",
+        "float32_tau",
+        "seeded_sampling_parity",
+        "errors",
+    )
     print(json.dumps({k: report[k] for k in summary if k in report}, indent=2)[:6000])
     parity = report.get("greedy_parity")
     if report.get("errors") or parity is None:

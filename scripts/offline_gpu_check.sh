@@ -10,7 +10,7 @@
 #       --out .gpu/bundle.tar.xz --host-packages HOST_PKGS.txt
 # FlashInfer builds its norm and sampling modules on the host at first use (nvcc): allow minutes for it.
 # Output: $OUT/gpu_check.json and $OUT/logs.tar.gz (every server's log). Environment knobs: ATTN (attention
-# backend, default triton: no JIT build), SERVER_ARGS, GC_TIMEOUT, START_TIMEOUT, SKIP_SMOKE=1; extra
+# backend, default triton: no JIT build), SERVER_ARGS, GC_TIMEOUT, START_TIMEOUT, SKIP_SMOKE=1, PREWARM; extra
 # arguments go to gpu_check.py (e.g. --checks greedy).
 set -u
 cd "$(dirname "$0")/.."
@@ -40,8 +40,9 @@ for m in ["torch", "sgl_kernel", "flashinfer", "sglang", "sglang.srt.managers.sc
 print(f"imports {time.time() - t:.1f}s")
 PYEOF
 # FlashInfer JIT-builds its norm and sampling modules at first use (SGLang's RMSNorm and sampled verify
-# reach them); build both now, side by side, so that no server start spends its timeout on nvcc.
-[ -n "${SKIP_PREWARM:-}" ] || for module in norm sampling; do
+# reach them); build them now, side by side, so that no server start spends its timeout on nvcc
+# (PREWARM lists the modules; PREWARM= builds none).
+for module in ${PREWARM-norm sampling}; do
   ( timeout "${PREWARM_TIMEOUT:-300}" $PY - "$module" <<'PYEOF' 2>&1 | grep -v "^\[" | tail -5 ) &
 import sys, time
 import torch, flashinfer
