@@ -1,6 +1,7 @@
 """SGLang's builtin EAGLE3 worker serves on a CPU-only machine through the plugin, with a drafter trained by
 `python -m sglang_dart.train --format eagle3`: greedy output equals plain decoding token for token (float32
-SmolLM2-135M, 50 prompts, one and eight requests in flight), and drafts really get accepted.
+SmolLM2-135M, 50 prompts, eight requests in flight; one at a time too in the nightly run), and drafts really
+get accepted.
 
 The drafter is trained here, for at most a minute (150 steps), on the plain server's own answers to the test
 prompts: the cheapest drafter that gets accepted often, so the accept path (not only rejections) is
@@ -113,7 +114,7 @@ def eagle3_server(smollm2_f32_dir, eagle3_draft, server_logs) -> Iterator[Sglang
         server.stop()
 
 
-@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("concurrency", [pytest.param(1, marks=pytest.mark.slow), 8])
 def test_eagle3_greedy_equals_plain(eagle3_server, prompts, plain_answers, concurrency):
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
     outs = eagle3_server.generate_many(prompts, params, concurrency=concurrency)

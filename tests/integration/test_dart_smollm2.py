@@ -1,0 +1,60 @@
+"""DART on SmolLM2-135M-Instruct (float32, random drafter, a store of the standard library): greedy output
+equals the plain server's on 50 chat prompts at concurrency 1, 4 and 16."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sglang_dart.server_process import (
+    SglangServer,
+)
+from tests.support.dart_assets import build_random_drafter, build_store_for
+from tests.support.dart_serving import (
+    dart_server_args,
+)
+from tests.support.prompts_many import many_prompts
+
+pytestmark = pytest.mark.server
+
+
+SMOL_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2_chat_ids(smollm2_f32_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from tests.support.prompts import chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
+    return [chat_ids(tokenizer, p) for p in many_prompts(50)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_server, smollm2_chat_ids) -> list[list[int]]:
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(lambda x: smollm2_server.greedy_ids(x, SMOL_TOKENS), smollm2_chat_ids))
+
+
+@pytest.fixture(scope="module")
+def smollm2_dart(smollm2_f32_dir, tmp_path_factory, server_logs) -> Iterator[SglangServer]:
+    root = tmp_path_factory.mktemp("dart-smollm2")
+    draft = build_random_drafter(root / "draft", smollm2_f32_dir)
+    store = build_store_for(smollm2_f32_dir, root / "smol.store")
+    server = SglangServer(
+        smollm2_f32_dir, dart_server_args(draft, store), server_logs / "smollm2-dart.log"
+    ).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("concurrency", [pytest.param(1, marks=pytest.mark.slow), 4, 16])
+def test_smollm2_greedy_equals_plain(smollm2_dart, smollm2_chat_ids, smollm2_reference, concurrency):
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        spec = list(pool.map(lambda x: smollm2_dart.greedy_ids(x, SMOL_TOKENS), smollm2_chat_ids))
+    for i, (got, want) in enumerate(zip(spec, smollm2_reference, strict=True)):
+        assert got == want, f"prompt {i}"
+    assert smollm2_dart.healthy()
