@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from sglang_dart.drafter import load_drafter
-from sglang_dart.train import conversations
+from sglang_dart.train import conversations, run_summary
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
 from sglang_dart.train.estimate import estimate_acceptance, split_holdout
 from sglang_dart.train.features import collect_features, load_target
-from sglang_dart.train.trainer import TrainSettings, train
+from sglang_dart.train.trainer import train
 from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
 
 
@@ -136,16 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         lm_head = target.get_output_embeddings().weight.detach()
         model = new_drafter(config, embed, lm_head, vocab, seed=args.seed)
     del target
-    settings = TrainSettings(
-        anchors_per_sequence=args.anchors,
-        sequences_per_step=args.sequences_per_step,
-        learning_rate=args.lr,
-        max_steps=args.max_steps,
-        max_seconds=args.max_minutes * 60 if args.max_minutes else float("inf"),
-        row_decay=args.row_decay,
-        bf16_autocast=not args.no_bf16,
-        seed=args.seed,
-    )
+    settings = run_summary.settings_from_args(args)
     trained_from = time.monotonic()
     losses = train(model, feats, vocab, settings, log=lambda s: print(s, flush=True))
     seconds = time.monotonic() - trained_from
@@ -154,16 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     estimate = estimate_acceptance(model, held_out, vocab, bf16_autocast=not args.no_bf16, seed=args.seed)
     if estimate is not None:
         print(estimate.describe(), flush=True)
-    report = {
-        "steps": len(losses),
-        "seconds": round(seconds, 1),
-        "final_loss": losses[-1],
-        "train_sequences": len(feats),
-        "held_out_sequences": len(held_out),
-        "held_out": None if estimate is None else estimate.__dict__,
-        "data": str(args.data),
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
+    report = run_summary.report(args, losses, seconds, feats, held_out, estimate)
     (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 

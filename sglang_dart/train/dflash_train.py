@@ -9,8 +9,6 @@ Position j is weighted gamma^(j-1): a draft at j only counts when every one befo
 from __future__ import annotations
 
 import random
-import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +16,7 @@ from torch import nn
 
 from sglang_dart.train.dflash_model import DFlashDrafter
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import (
-    RowStats,
-    TrainSettings,
-    cpu_bf16_autocast,
-    lr_factor,
-    progress_line,
-)
+from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, fit
 
 LOG_SECONDS = 15.0
 
@@ -121,58 +113,15 @@ def train(
     usable = [f for f in data if f.input_ids.shape[0] >= 2]
     if not usable:
         raise ValueError("no training sequence has the 2 tokens an anchor block needs")
-    rng = random.Random(settings.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
-    live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
-    order: list[int] = []
-    losses: list[float] = []
-    window, shown, logged, last_logged_step, start = RowStats(), 0.0, 0.0, 0, time.monotonic()
-    model.train()
-    for step in range(settings.max_steps):
-        elapsed = time.monotonic() - start
-        if elapsed > settings.max_seconds:
-            log(f"time budget reached after {step} steps")
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = settings.learning_rate * lr_factor(settings, step, elapsed)
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        for _ in range(settings.sequences_per_step):
-            if not order:
-                order = list(range(len(usable)))
-                rng.shuffle(order)
-            feats = usable[order.pop()]
-            anchors = sample_anchors(feats.input_ids.shape[0], settings.anchors_per_sequence, rng)
-            with cpu_bf16_autocast(settings.bf16_autocast, feats.taps):
-                result = block_loss(model, target, feats, anchors, block, mask_id, settings.row_decay)
-            (result.loss / settings.sequences_per_step).backward()
-            step_loss += float(result.loss.detach()) / settings.sequences_per_step
-            for row, (c, t) in enumerate(zip(result.stats.correct, result.stats.total, strict=True)):
-                window.add(row, int(c), int(t))
-        nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        optimizer.step()
-        losses.append(step_loss)
-        elapsed = time.monotonic() - start
-        if live and elapsed - shown >= 0.5:
-            line = progress_line(
-                step + 1, settings, elapsed, sum(losses[-20:]) / len(losses[-20:]), window.accuracy()
-            )
-            sys.stderr.write(f"\r\033[K{line}")
-            sys.stderr.flush()
-            shown = elapsed
-        # Every log_every steps, and at least every LOG_SECONDS: a CPU step of the full-vocabulary head can
-        # take seconds, and a run must show its loss and ETA long before 25 of them.
-        if settings.log_every and ((step + 1) % settings.log_every == 0 or elapsed - logged >= LOG_SECONDS):
-            if live:
-                sys.stderr.write("\r\033[K")
-            recent = losses[last_logged_step:]
-            log(progress_line(step + 1, settings, elapsed, sum(recent) / len(recent), window.accuracy()))
-            window, logged, last_logged_step = RowStats(), elapsed, step + 1
-    if live:
-        sys.stderr.write("\n")
-    model.eval()
-    return losses
+
+    def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+        anchors = sample_anchors(feats.input_ids.shape[0], settings.anchors_per_sequence, rng)
+        result = block_loss(model, target, feats, anchors, block, mask_id, settings.row_decay)
+        return result.loss, result.stats
+
+    # A CPU step of the full-vocabulary head can take seconds: a run must show its loss and ETA long
+    # before `log_every` of them.
+    return fit(model, usable, settings, sequence_step, log, log_seconds=LOG_SECONDS)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,6 @@ trainer's (`trainer.py`)."""
 from __future__ import annotations
 
 import random
-import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +15,7 @@ from torch import nn
 from sglang_dart.train.eagle3_model import Eagle3Drafter
 from sglang_dart.train.estimate import AcceptEstimate, _leading_hits
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import (
-    RowStats,
-    TrainSettings,
-    cpu_bf16_autocast,
-    lr_factor,
-    progress_line,
-)
+from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, fit
 from sglang_dart.train.vocab import DraftVocab
 
 
@@ -80,75 +72,19 @@ def train(
     window: int,
     log=print,
 ) -> list[float]:
-    """Train in place; returns every step's loss."""
+    """Train in place; returns every step's loss. Each sequence contributes one window of `window`
+    positions from a random start, unrolled `ttt_steps` times."""
     usable = [f for f in data if f.input_ids.shape[0] >= ttt_steps + 2]
     if not usable:
         raise SystemExit(
             f"no training sequence has the {ttt_steps + 2} tokens {ttt_steps} unrolled steps need"
         )
-    rng = random.Random(settings.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
-    live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
-    order: list[int] = []
-    losses: list[float] = []
-    logged = RowStats()
-    shown = 0.0
-    start = time.monotonic()
-    model.train()
-    for step in range(settings.max_steps):
-        elapsed = time.monotonic() - start
-        if elapsed > settings.max_seconds:
-            log(f"time budget reached after {step} steps")
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = settings.learning_rate * lr_factor(settings, step, elapsed)
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        for _ in range(settings.sequences_per_step):
-            if not order:
-                order = list(range(len(usable)))
-                rng.shuffle(order)
-            feats = usable[order.pop()]
-            positions = feats.input_ids.shape[0] - 1
-            first = rng.randrange(max(1, positions - window + 1))
-            with cpu_bf16_autocast(settings.bf16_autocast, feats.taps):
-                loss, stats = window_loss(
-                    model, window_of(feats, vocab, first, window), ttt_steps, settings.row_decay
-                )
-            (loss / settings.sequences_per_step).backward()
-            step_loss += float(loss.detach()) / settings.sequences_per_step
-            for k, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
-                logged.add(k, int(c), int(t))
-        nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        optimizer.step()
-        losses.append(step_loss)
-        elapsed = time.monotonic() - start
-        if live and elapsed - shown >= 0.5:
-            recent = losses[-20:]
-            line = progress_line(step + 1, settings, elapsed, sum(recent) / len(recent), logged.accuracy())
-            sys.stderr.write(f"\r\033[K{line}")
-            sys.stderr.flush()
-            shown = elapsed
-        if settings.log_every and (step + 1) % settings.log_every == 0:
-            if live:
-                sys.stderr.write("\r\033[K")
-            mean = sum(losses[-settings.log_every :]) / settings.log_every
-            log(
-                progress_line(step + 1, settings, elapsed, mean, logged.accuracy()).replace(
-                    "by row", "by step"
-                )
-            )
-            logged = RowStats()
-    if live:
-        sys.stderr.write("\n")
-    tail = len(losses) % settings.log_every if settings.log_every else len(losses)
-    if tail:  # the steps since the last progress line
-        mean = sum(losses[-tail:]) / tail
-        line = progress_line(len(losses), settings, time.monotonic() - start, mean, logged.accuracy())
-        log(line.replace("by row", "by step"))
-    model.eval()
-    return losses
+
+    def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+        first = rng.randrange(max(1, feats.input_ids.shape[0] - 1 - window + 1))
+        return window_loss(model, window_of(feats, vocab, first, window), ttt_steps, settings.row_decay)
+
+    return fit(model, usable, settings, sequence_step, log, unit="step")
 
 
 @torch.no_grad()

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from sglang_dart.train import run_summary
 from sglang_dart.train.dflash_model import DFlashDrafter, DFlashShape
 from sglang_dart.train.dflash_train import FrozenTarget, estimate_acceptance, train
 from sglang_dart.train.features import tap_layers
-from sglang_dart.train.trainer import TrainSettings
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -202,17 +202,8 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
         f"{config['dflash_config']['target_layer_ids']}",
         flush=True,
     )
-    settings = TrainSettings(
-        anchors_per_sequence=args.anchors,
-        sequences_per_step=args.sequences_per_step,
-        learning_rate=args.lr,
-        max_steps=args.max_steps,
-        max_seconds=args.max_minutes * 60 if args.max_minutes else float("inf"),
-        row_decay=args.row_decay,
-        warmup_steps=min(50, max(1, args.max_steps // 10)),  # short runs (tests) must leave the warm-up
-        bf16_autocast=not args.no_bf16,
-        seed=args.seed,
-    )
+    # Short runs (tests) must leave the warm-up.
+    settings = run_summary.settings_from_args(args, warmup_steps=min(50, max(1, args.max_steps // 10)))
     started = time.monotonic()
     losses = train(model, frozen, feats, settings, block, mask_id, log=lambda s: print(s, flush=True))
     seconds = time.monotonic() - started
@@ -223,17 +214,15 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
     )
     if estimate is not None:
         print(estimate.describe(), flush=True)
-    return {
-        "format": "dflash",
-        "block_size": block,
-        "mask_token_id": mask_id,
-        "target_layer_ids": config["dflash_config"]["target_layer_ids"],
-        "steps": len(losses),
-        "seconds": round(seconds, 1),
-        "final_loss": losses[-1],
-        "train_sequences": len(feats),
-        "held_out_sequences": len(held_out),
-        "held_out": None if estimate is None else estimate.__dict__,
-        "data": str(args.data),
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
+    return run_summary.report(
+        args,
+        losses,
+        seconds,
+        feats,
+        held_out,
+        estimate,
+        format="dflash",
+        block_size=block,
+        mask_token_id=mask_id,
+        target_layer_ids=config["dflash_config"]["target_layer_ids"],
+    )

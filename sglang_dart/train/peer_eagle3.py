@@ -13,8 +13,7 @@ import argparse
 import time
 from typing import Any
 
-from sglang_dart.train import eagle3_checkpoint, eagle3_trainer
-from sglang_dart.train.trainer import TrainSettings
+from sglang_dart.train import eagle3_checkpoint, eagle3_trainer, run_summary
 from sglang_dart.train.vocab import most_frequent_vocab
 
 
@@ -46,15 +45,7 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
         f"windows of {args.eagle3_window}",
         flush=True,
     )
-    settings = TrainSettings(
-        sequences_per_step=args.sequences_per_step,
-        learning_rate=args.lr,
-        max_steps=args.max_steps,
-        max_seconds=args.max_minutes * 60 if args.max_minutes else float("inf"),
-        row_decay=args.row_decay,
-        bf16_autocast=not args.no_bf16,
-        seed=args.seed,
-    )
+    settings = run_summary.settings_from_args(args)  # anchors: unused (whole windows)
     started = time.monotonic()
     losses = eagle3_trainer.train(
         model,
@@ -73,16 +64,14 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
     )
     if estimate is not None:
         print(estimate.describe().replace("by row", "by step"), flush=True)
-    return {
-        "format": "eagle3",
-        "steps": len(losses),
-        "seconds": round(seconds, 1),
-        "final_loss": losses[-1],
-        "ttt_steps": args.eagle3_ttt_steps,
-        "draft_vocab_size": vocab.size,
-        "train_sequences": len(feats),
-        "held_out_sequences": len(held_out),
-        "held_out": None if estimate is None else estimate.__dict__,
-        "data": str(args.data),
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
+    return run_summary.report(
+        args,
+        losses,
+        seconds,
+        feats,
+        held_out,
+        estimate,
+        format="eagle3",
+        ttt_steps=args.eagle3_ttt_steps,
+        draft_vocab_size=vocab.size,
+    )

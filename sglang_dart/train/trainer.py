@@ -10,6 +10,7 @@ import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -135,6 +136,82 @@ def lr_factor(settings: TrainSettings, step: int, elapsed: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+class SequenceStep(Protocol):
+    """One sequence's loss and its top-1 stats per row (or unrolled step, or block position)."""
+
+    def __call__(self, feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]: ...
+
+
+def fit(
+    model: nn.Module,
+    usable: list[SequenceFeatures],
+    settings: TrainSettings,
+    sequence_step: SequenceStep,
+    log=print,
+    unit: str = "row",
+    log_seconds: float | None = None,
+) -> list[float]:
+    """The loop every format's trainer runs, in place; returns every step's loss. Each step takes
+    `sequences_per_step` sequences in a reshuffled round robin, AdamW with `lr_factor`'s schedule and
+    gradient clipping, until the step or time budget runs out. Progress: a live line on a terminal and,
+    every `log_every` steps (and every `log_seconds`, for formats whose steps can take seconds) and at the
+    end, a logged line with the loss and the top-1 per `unit` since the line before, and the ETA."""
+    rng = random.Random(settings.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
+    live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
+    order: list[int] = []
+    losses: list[float] = []
+    window, shown, logged_at, logged_step = RowStats(), 0.0, 0.0, 0
+    start = time.monotonic()
+
+    def line(step: int, elapsed: float, recent: list[float]) -> str:
+        text = progress_line(step, settings, elapsed, sum(recent) / len(recent), window.accuracy())
+        return text.replace("top-1 by row", f"top-1 by {unit}")
+
+    model.train()
+    for step in range(settings.max_steps):
+        elapsed = time.monotonic() - start
+        if elapsed > settings.max_seconds:
+            log(f"time budget reached after {step} steps")
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = settings.learning_rate * lr_factor(settings, step, elapsed)
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for _ in range(settings.sequences_per_step):
+            if not order:
+                order = list(range(len(usable)))
+                rng.shuffle(order)
+            feats = usable[order.pop()]
+            with cpu_bf16_autocast(settings.bf16_autocast, feats.taps):
+                loss, stats = sequence_step(feats, rng)
+            (loss / settings.sequences_per_step).backward()
+            step_loss += float(loss.detach()) / settings.sequences_per_step
+            for row, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
+                window.add(row, int(c), int(t))
+        nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        optimizer.step()
+        losses.append(step_loss)
+        elapsed = time.monotonic() - start
+        if live and (elapsed - shown >= 0.5 or step + 1 == settings.max_steps):
+            sys.stderr.write(f"\r\033[K{line(step + 1, elapsed, losses[-20:])}")
+            sys.stderr.flush()
+            shown = elapsed
+        by_time = log_seconds is not None and elapsed - logged_at >= log_seconds
+        if settings.log_every and ((step + 1) % settings.log_every == 0 or by_time):
+            if live:
+                sys.stderr.write("\r\033[K")
+            log(line(step + 1, elapsed, losses[logged_step:]))
+            window, logged_at, logged_step = RowStats(), elapsed, step + 1
+    if live:
+        sys.stderr.write("\n")
+    if len(losses) > logged_step:  # the steps since the last logged line
+        log(line(len(losses), time.monotonic() - start, losses[logged_step:]))
+    model.eval()
+    return losses
+
+
 def train(
     model: DartDrafter,
     data: list[SequenceFeatures],
@@ -143,61 +220,13 @@ def train(
     log=print,
 ) -> list[float]:
     """Train in place; returns the loss of every step."""
-    rng = random.Random(settings.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
-
     usable = [f for f in data if f.input_ids.shape[0] >= 3]
     if not usable:
         raise ValueError("no training sequence has the 3 tokens an anchor needs")
-    order: list[int] = []
-    losses: list[float] = []
-    window = RowStats()
-    bar = RowStats()  # the live line's top-1 window: up to 20 steps
-    live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
-    shown = 0.0
-    start = time.monotonic()
-    model.train()
-    for step in range(settings.max_steps):
-        if time.monotonic() - start > settings.max_seconds:
-            log(f"time budget reached after {step} steps")
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = settings.learning_rate * lr_factor(settings, step, time.monotonic() - start)
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        for _ in range(settings.sequences_per_step):
-            if not order:
-                order = list(range(len(usable)))
-                rng.shuffle(order)
-            feats = usable[order.pop()]
-            anchors = sample_anchors(feats.input_ids.shape[0] - 1, settings.anchors_per_sequence, rng)
-            with cpu_bf16_autocast(settings.bf16_autocast, feats.taps):
-                result = sequence_loss(model, feats, vocab, anchors, settings.row_decay)
-            (result.loss / settings.sequences_per_step).backward()
-            step_loss += float(result.loss.detach()) / settings.sequences_per_step
-            for row, (c, t) in enumerate(zip(result.stats.correct, result.stats.total, strict=True)):
-                window.add(row, int(c), int(t))
-                bar.add(row, int(c), int(t))
-        nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        optimizer.step()
-        losses.append(step_loss)
-        elapsed = time.monotonic() - start
-        if live and (elapsed - shown >= 0.5 or step + 1 == settings.max_steps):
-            recent = losses[-20:]
-            line = progress_line(step + 1, settings, elapsed, sum(recent) / len(recent), bar.accuracy())
-            sys.stderr.write(f"\r\033[K{line}")
-            sys.stderr.flush()
-            shown = elapsed
-        if (step + 1) % 20 == 0:
-            bar = RowStats()
-        if settings.log_every and (step + 1) % settings.log_every == 0:
-            if live:
-                sys.stderr.write("\r\033[K")
-            mean = sum(losses[-settings.log_every :]) / settings.log_every
-            log(progress_line(step + 1, settings, elapsed, mean, window.accuracy()))
-            window = RowStats()
-    if live:
-        sys.stderr.write("\n")
-    model.eval()
-    return losses
+
+    def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+        anchors = sample_anchors(feats.input_ids.shape[0] - 1, settings.anchors_per_sequence, rng)
+        result = sequence_loss(model, feats, vocab, anchors, settings.row_decay)
+        return result.loss, result.stats
+
+    return fit(model, usable, settings, sequence_step, log)

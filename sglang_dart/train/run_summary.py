@@ -1,0 +1,50 @@
+"""What every format's command (`python -m sglang_dart.train --format dart|eagle3|dflash`) shares around
+its own training loop: the training settings read from the command line, and the report saved beside the
+drafter (`train_report.json`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sglang_dart.train.features import SequenceFeatures
+from sglang_dart.train.trainer import TrainSettings
+
+
+def settings_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSettings:
+    """The common options as `TrainSettings`; a format overrides what it sets its own way."""
+    values: dict[str, Any] = {
+        "anchors_per_sequence": args.anchors,
+        "sequences_per_step": args.sequences_per_step,
+        "learning_rate": args.lr,
+        "max_steps": args.max_steps,
+        "max_seconds": args.max_minutes * 60 if args.max_minutes else float("inf"),
+        "row_decay": args.row_decay,
+        "bf16_autocast": not args.no_bf16,
+        "seed": args.seed,
+    }
+    return TrainSettings(**{**values, **overrides})
+
+
+def report(
+    args: argparse.Namespace,
+    losses: list[float],
+    seconds: float,
+    train: list[SequenceFeatures],
+    held_out: list[SequenceFeatures],
+    estimate: Any,
+    **fields: Any,
+) -> dict:
+    """The run's report: the format's own `fields` first, then steps, time, loss, data counts, the
+    held-out estimate (None where no held-out sequence was long enough) and every argument."""
+    return {
+        **fields,
+        "steps": len(losses),
+        "seconds": round(seconds, 1),
+        "final_loss": losses[-1],
+        "train_sequences": len(train),
+        "held_out_sequences": len(held_out),
+        "held_out": None if estimate is None else estimate.__dict__,
+        "data": str(args.data),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
