@@ -42,7 +42,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from sglang_dart.assets import smollm2_dir
-    from sglang_dart.server_process import SglangServer, dart_flags
+    from sglang_dart.server_process import SglangServer, dart_flags, stop_servers_on_sigterm
 
     parser = dart_parser(__doc__)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=16, help="the largest tree")
     parser.add_argument("settings", nargs="+", type=_setting, metavar="SETTING")
     args = parser.parse_args()
+    stop_servers_on_sigterm()
 
     model = args.model or smollm2_dir()
     prompts = _chat_ids(AutoTokenizer.from_pretrained(model), PROMPTS, len(PROMPTS))

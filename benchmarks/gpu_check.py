@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: random drafter, store
 
-from sglang_dart.server_process import SglangServer, dart_flags  # noqa: E402
+from sglang_dart.server_process import SglangServer, dart_flags, stop_servers_on_sigterm  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=Path("gpu-check"))
     args = parser.parse_args(argv)
+    stop_servers_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.random_target_like is not None:
         args.model = _random_target_like(args.random_target_like, args.out / "random-target")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: tiny model, drafter
 
-from sglang_dart.server_process import SglangServer  # noqa: E402
+from sglang_dart.server_process import SglangServer, stop_servers_on_sigterm  # noqa: E402
 from tests.support.dart_assets import build_random_drafter, build_store_for  # noqa: E402
 from tests.support.dart_serving import dart_server_args  # noqa: E402
 from tests.support.tiny_models import build_tiny_model  # noqa: E402
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="per-phase times in the DART server's log")
     parser.add_argument("--out", type=Path, default=Path("step-overhead"))
     args = parser.parse_args()
+    stop_servers_on_sigterm()
     model = build_tiny_model(args.out / "qwen3", arch="qwen3")
     draft = build_random_drafter(args.out / "draft", model)
     store = build_store_for(model, args.out / "stdlib.store")

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from sglang_dart.assets import smollm2_dir
-    from sglang_dart.server_process import SglangServer, dart_flags
+    from sglang_dart.server_process import SglangServer, dart_flags, stop_servers_on_sigterm
 
     parser = dart_parser(__doc__, required=False)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         "SGLANG_DART_GEMM_SPIN_US=1000 (an A/B of a knob in one run)",
     )
     args = parser.parse_args(argv)
+    stop_servers_on_sigterm()
     if not args.skip_dart and not (args.draft and args.store):
         parser.error("DART needs --draft and --store (or --skip-dart)")
     spread = args.length_spread

@@ -21,7 +21,7 @@ from pathlib import Path
 import requests
 
 from sglang_dart.assets import shipped_smollm2_drafter, smollm2_dir
-from sglang_dart.server_process import SglangServer, dart_flags
+from sglang_dart.server_process import SglangServer, dart_flags, stop_servers_on_sigterm
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         "output is the target's, token for token",
     )
     args = parser.parse_args(argv)
+    stop_servers_on_sigterm()
 
     model = smollm2_dir(args.dtype)
     logs = Path(tempfile.mkdtemp(prefix="sglang-dart-demo-"))

@@ -62,6 +62,13 @@ class ServerFailed(RuntimeError):
     pass
 
 
+def stop_servers_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, a job runner, a terminal closing) raise SystemExit in the main thread, so
+    the `finally` blocks that stop servers run: each server runs in its own session and would otherwise
+    outlive the program that started it, holding its memory and ports. Call it from a program's main."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 class SglangServer:
     def __init__(
         self,
