@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     losses = train(model, feats, vocab, settings, log=lambda s: print(s, flush=True))
     seconds = time.monotonic() - trained_from
     save_drafter(model, config, vocab, args.out)
-    print(f"trained {len(losses)} steps in {seconds:.0f}s; final loss {losses[-1]:.3f}; saved {args.out}")
+    run_summary.announce_saved(losses, seconds, args.out)
     estimate = estimate_acceptance(model, held_out, vocab, bf16_autocast=not args.no_bf16, seed=args.seed)
     if estimate is not None:
         print(estimate.describe(), flush=True)

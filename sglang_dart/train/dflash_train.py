@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sglang_dart.train import trainer
 from sglang_dart.train.dflash_model import DFlashDrafter
 from sglang_dart.train.features import SequenceFeatures
 from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, fit
@@ -95,9 +96,9 @@ def block_loss(
 
 
 def sample_anchors(length: int, count: int, rng: random.Random) -> torch.Tensor:
-    """Sorted anchors in [1, length): every block has at least one earlier position as context."""
-    population = range(1, length)
-    return torch.tensor(sorted(rng.sample(population, min(count, len(population)))), dtype=torch.long)
+    """Sorted anchors in [1, length): every block has at least one earlier position as context (the DART
+    trainer's draw over [0, length - 1), shifted by one: the same draws from the same generator)."""
+    return 1 + trainer.sample_anchors(length - 1, count, rng)
 
 
 def train(

@@ -208,7 +208,7 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
     losses = train(model, frozen, feats, settings, block, mask_id, log=lambda s: print(s, flush=True))
     seconds = time.monotonic() - started
     save(model, config, args.out)
-    print(f"trained {len(losses)} steps in {seconds:.0f}s; final loss {losses[-1]:.3f}; saved {args.out}")
+    run_summary.announce_saved(losses, seconds, args.out)
     estimate = estimate_acceptance(
         model, frozen, held_out, block, mask_id, bf16_autocast=not args.no_bf16, seed=args.seed
     )

@@ -58,7 +58,7 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
     )
     seconds = time.monotonic() - started
     eagle3_checkpoint.save(model, config, vocab, args.out)
-    print(f"trained {len(losses)} steps in {seconds:.0f}s; final loss {losses[-1]:.3f}; saved {args.out}")
+    run_summary.announce_saved(losses, seconds, args.out)
     estimate = eagle3_trainer.estimate_acceptance(
         model, held_out, vocab, args.eagle3_ttt_steps, bf16_autocast=not args.no_bf16
     )

@@ -5,6 +5,7 @@ drafter (`train_report.json`)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from sglang_dart.train.features import SequenceFeatures
@@ -24,6 +25,10 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSetti
         "seed": args.seed,
     }
     return TrainSettings(**{**values, **overrides})
+
+
+def announce_saved(losses: list[float], seconds: float, out: Path) -> None:
+    print(f"trained {len(losses)} steps in {seconds:.0f}s; final loss {losses[-1]:.3f}; saved {out}")
 
 
 def report(
