@@ -90,7 +90,9 @@ def sample_prompts(
             break
         batch = max(wanted + wanted // 2, 4)  # extra: some are filtered out
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-        for out in server.generate_many([prefix] * batch, params, concurrency):
+        # A loaded machine (a niced run beside tests) can hold a request for many minutes; an hour's
+        # timeout keeps such a run slow instead of losing its round.
+        for out in server.generate_many([prefix] * batch, params, concurrency, timeout=3600):
             text = (
                 out["text"]
                 if "text" in out

@@ -67,7 +67,7 @@ class _Replies:
         self.texts = list(texts)
         self.asked: list[int] = []
 
-    def generate_many(self, prompts, params, concurrency):
+    def generate_many(self, prompts, params, concurrency, timeout=300.0):
         self.asked.append(len(prompts))
         out = []
         for _ in prompts:
