@@ -19,6 +19,12 @@ asc), which keeps the kept set prefix-closed. Numerics: ``p + eps`` is summed in
 taken in float64 and clamped at 0, the increment is computed in float64 and rounded to float32, and scores
 accumulate in float32. Nodes of one depth come in creation order (parent's order, then the column order).
 
+Context chains (optional, ``chains``/``chain_nodes``): each request's chain of tokens from its own context
+(``ContextIndex``) is grafted onto its tree after the search: walked from the root through the kept nodes,
+its first token not in the tree and those after it (at most ``chain_nodes``) become new nodes, each
+displacing the lowest-ranked kept node off the chain's path. The tree keeps its N nodes and its
+depth-ascending order.
+
 If ``num_nodes`` exceeds the number of candidates the shape allows (``candidate_count``), the call raises
 ``ValueError`` instead of padding. All input errors raise ``ValueError``.
 """
@@ -34,6 +40,7 @@ import numpy as np
 from sglang_dart import _core
 
 DictNgramModel = _core.DictNgramModel
+ContextIndex = _core.ContextIndex
 
 # The defaults live in Rust (`PruneConfig::default()`, the DART reference's values); read, not restated.
 _DEFAULTS = _core.default_prune_config()
@@ -114,6 +121,8 @@ def prune_batch(
     config: PrunerConfig | None = None,
     store: Any | None = None,
     vocab_size: int | None = None,
+    chains: Any | None = None,
+    chain_nodes: int = 0,
 ) -> PrunedTrees:
     """Prunes the draft trees of a batch.
 
@@ -127,6 +136,8 @@ def prune_batch(
         config: the knobs (``PrunerConfig()`` = reference defaults).
         store: the n-gram model (``DictNgramModel`` or ``NgramStore``), or ``None`` for no n-gram term.
         vocab_size: bound for every token id (defaults to the store's vocabulary size when it has one).
+        chains: ``[bs, width]`` int64 context chains, each ended by the first -1 (``None``: no chains).
+        chain_nodes: at most this many new nodes per tree from its chain (0: no grafting).
     """
     cfg = config or PrunerConfig()
     tok = np.asarray(token_ids)
@@ -145,10 +156,24 @@ def prune_batch(
         else _as_array(context, np.int64, "context")
     )
     eos = [int(e) for e in eos_ids]
+    if chain_nodes < 0:
+        raise ValueError(f"chain_nodes must be >= 0, got {chain_nodes}")
+    chain_arr = None if chains is None else _as_array(chains, np.int64, "chains")
+    if chain_arr is not None and chain_arr.ndim != 2:
+        raise ValueError(f"chains must be 2-D [bs, width], got shape {chain_arr.shape}")
     tokens, parents, depth, mask = _core.prune_batch(
-        tok, p, r, ctx, eos, store=store, vocab_size=vocab_size, **cfg.kwargs()
+        tok,
+        p,
+        r,
+        ctx,
+        eos,
+        store=store,
+        vocab_size=vocab_size,
+        chains=chain_arr,
+        chain_nodes=chain_nodes,
+        **cfg.kwargs(),
     )
     return PrunedTrees(tokens, parents, depth, mask)
 
 
-__all__ = ["DictNgramModel", "PrunedTrees", "PrunerConfig", "prune_batch"]
+__all__ = ["ContextIndex", "DictNgramModel", "PrunedTrees", "PrunerConfig", "prune_batch"]

@@ -6,12 +6,18 @@ step's results one step late: when step n+1 runs, the tokens step n accepted (or
 sampled) are not in `req.output_ids` yet. The worker knows them, having produced them, so every decode-path
 read of a request's tokens comes from here; `unseen` gives the tail SGLang has not appended yet (empty
 without overlap), for the per-node penalties and logit processors that see a request's whole output.
+
+It also indexes each request's whole sequence (prompt and output, root last) for context chains
+(`context`, a Rust `ContextIndex`: the tokens that followed the latest earlier occurrence of the current
+suffix), kept in step with the same start/advance/keep_only calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from sglang_dart.pruner import ContextIndex
 
 # Tokens kept per request: the root and the two before it (the pruner's 3-gram context), plus every token of
 # the last step (however large the tree), so the one step SGLang may lag behind is always covered.
@@ -39,12 +45,16 @@ def _tokens_of(req: Any) -> int:
 
 
 class RequestProgress:
-    def __init__(self) -> None:
+    def __init__(self, index_context: bool = False) -> None:
         self._by_rid: dict[str, Progress] = {}
+        self.context = ContextIndex() if index_context else None
 
-    def start(self, req: Any, committed: int, recent: list[int]) -> None:
-        """After a prefill (or a prefill chunk): `recent` ends with the token at position `committed`."""
-        self._by_rid[req.rid] = Progress(committed, tuple(recent[-KEPT_TOKENS:]))
+    def start(self, req: Any, committed: int, tokens: list[int]) -> None:
+        """After a prefill (or a prefill chunk): `tokens`, the request's sequence, ends with the token at
+        position `committed`."""
+        self._by_rid[req.rid] = Progress(committed, tuple(tokens[-KEPT_TOKENS:]))
+        if self.context is not None:
+            self.context.set(req.rid, tokens)
 
     def advance(self, req: Any, new_tokens: list[int]) -> None:
         """After a verify: the accepted drafts and the bonus token follow the root; the bonus is the new
@@ -53,6 +63,8 @@ class RequestProgress:
         keep = max(KEPT_TOKENS, len(new_tokens) + 3)
         recent = (now.recent + tuple(new_tokens))[-keep:]
         self._by_rid[req.rid] = Progress(now.committed + len(new_tokens), recent)
+        if self.context is not None:
+            self.context.extend(req.rid, new_tokens)
 
     def of(self, req: Any) -> Progress:
         """A request's progress. One the worker has not seen (it cannot happen: every request enters by a
@@ -87,3 +99,5 @@ class RequestProgress:
         current = {req.rid for req in reqs}
         for rid in [rid for rid in self._by_rid if rid not in current]:
             del self._by_rid[rid]
+        if self.context is not None:
+            self.context.keep_only(list(current))

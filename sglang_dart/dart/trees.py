@@ -55,6 +55,7 @@ class Trees:
         device: Any,
         progress: RequestProgress,
         timer: PhaseTimer,
+        context_nodes: int = 0,
     ) -> None:
         self.drafter = drafter
         self.store = store
@@ -65,6 +66,7 @@ class Trees:
         self.device = device
         self.progress = progress
         self.timer = timer
+        self.context_nodes = context_nodes if progress.context is not None else 0
         self.candidates: dict[str, DraftCandidates] = {}
         self.host: tuple[np.ndarray, np.ndarray] | None = None  # this step's masks and tokens
 
@@ -79,13 +81,17 @@ class Trees:
         return planned
 
     def build(self, batch: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Flat node tokens [bs * size] and ancestor masks [bs * size * size] of this step's trees."""
+        """Flat node tokens [bs * size] and ancestor masks [bs * size * size] of this step's trees: the
+        pruned draft candidates, with each request's context chain grafted on (`pruner`)."""
         if size == 1:
             roots = self.progress.roots(batch.reqs)
             return np.asarray(roots, dtype=np.int64), np.ones(len(roots), dtype=bool)
         cands = [self.candidates[req.rid] for req in batch.reqs]
         # Requests drafted at different steps may have been drafted to different depths.
         depths = min(c.tokens.shape[0] for c in cands)
+        chains = None
+        if self.context_nodes:  # at most size - 1 deep: a chain may fill the whole tree
+            chains = self.progress.context.chains([req.rid for req in batch.reqs], size - 1)
         trees = prune_batch(
             np.stack([c.tokens[:depths] for c in cands]),
             np.stack([c.probs[:depths] for c in cands]),
@@ -95,6 +101,8 @@ class Trees:
             config=replace(self.config, num_nodes=size - 1),
             store=self.store,
             vocab_size=self.vocab_size,
+            chains=chains,
+            chain_nodes=self.context_nodes,
         )
         return trees.tokens.reshape(-1), trees.tree_mask.reshape(-1)
 

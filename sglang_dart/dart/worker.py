@@ -60,7 +60,13 @@ from sglang_dart.dart.sampling import (
     needs_pinning,
     pin_logits_to_samples,
 )
-from sglang_dart.dart.settings import DartArgsError, candidates_per_depth, pruner_config, tree_size_schedule
+from sglang_dart.dart.settings import (
+    DartArgsError,
+    candidates_per_depth,
+    context_nodes,
+    pruner_config,
+    tree_size_schedule,
+)
 from sglang_dart.dart.trees import Trees
 from sglang_dart.drafter import DraftConfig
 from sglang_dart.drafter.sglang_model import ARCHITECTURE, LlamaForCausalLMDart
@@ -126,7 +132,9 @@ class DartWorker(NGRAMWorker):
         self.step_clock = StepClock()  # step times for an adaptive schedule
         self._planned_size: int | None = None  # chosen when the step before drafted (or did not)
         self._drafting_seconds = 0.0
-        self.progress = RequestProgress()  # the requests' tokens as the worker left them (overlap lags)
+        chain_nodes = context_nodes(server_args)
+        # the requests' tokens as the worker left them (overlap lags), and their context index
+        self.progress = RequestProgress(index_context=chain_nodes > 0)
         eos = getattr(model_config, "hf_eos_token_id", None) or []
         self.trees = Trees(
             self.drafter,
@@ -138,6 +146,7 @@ class DartWorker(NGRAMWorker):
             self.device,
             self.progress,
             self.timer,
+            chain_nodes,
         )
         self.drafting: Drafting | None = None  # once SGLang has allocated the pools
         self.checks = os.environ.get(CHECKS_ENV) == "1"

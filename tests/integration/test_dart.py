@@ -71,6 +71,31 @@ def test_qwen3_greedy_equals_plain(request, qwen3_plain, concurrency, schedule):
     assert dart.healthy()
 
 
+def test_context_chains_are_accepted_losslessly(
+    tiny_qwen3_dir, qwen3_assets, qwen3_plain, qwen3_dart, server_logs
+):
+    """The random drafter's drafts are nearly always rejected; context chains (on by default) predict
+    where the tiny target's greedy output repeats itself: fewer verify steps than with chains off
+    (`SGLANG_DART_CONTEXT_NODES=0`), and the target's own output either way."""
+    prompts, new_tokens = many_prompts(24), 64
+    reference = [out["output_ids"] for out in run_all(qwen3_plain, prompts, 8, new_tokens)]
+    args = [*dart_server_args(*qwen3_assets), *SEED]
+    env = {"SGLANG_DART_CONTEXT_NODES": "0"}
+    off = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart-no-chains.log", env=env).start()
+    try:
+        without = run_all(off, prompts, 4, new_tokens)
+    finally:
+        off.stop()
+    with_chains = run_all(qwen3_dart, prompts, 4, new_tokens)
+    for runs in (without, with_chains):
+        assert [out["output_ids"] for out in runs] == reference
+
+    def steps(runs: list[dict]) -> int:
+        return sum(out["meta_info"]["spec_verify_ct"] for out in runs)
+
+    assert steps(with_chains) < steps(without)
+
+
 def test_parallel_samples_equal_plain(qwen3_plain, qwen3_dart):
     """`n` > 1 (SGLang forks the request after one shared prefill): greedy copies are all the target's
     output; sampled copies each run to their length."""

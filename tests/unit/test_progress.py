@@ -21,7 +21,7 @@ class Request:  # the three fields of SGLang's Req the record reads
 def test_a_prefill_starts_the_record_at_its_first_token():
     req = Request("a", [5, 6, 7, 8])
     progress = RequestProgress()
-    progress.start(req, committed=4, recent=[5, 6, 7, 8, 42])  # 42: the token the prefill sampled
+    progress.start(req, committed=4, tokens=[5, 6, 7, 8, 42])  # 42: the token the prefill sampled
     now = progress.of(req)
     assert (now.committed, now.root, now.context) == (4, 42, (7, 8))
     # Overlap: SGLang has not appended 42 yet.
@@ -33,7 +33,7 @@ def test_a_prefill_starts_the_record_at_its_first_token():
 def test_a_verify_commits_the_root_and_the_accepted_drafts():
     req = Request("a", [1, 2], array("q", [3]))
     progress = RequestProgress()
-    progress.start(req, committed=2, recent=[1, 2, 3])
+    progress.start(req, committed=2, tokens=[1, 2, 3])
     progress.advance(req, [10, 11, 12])  # two accepted drafts and the bonus token
     now = progress.of(req)
     assert (now.committed, now.root, now.context) == (5, 12, (10, 11))
@@ -45,7 +45,7 @@ def test_a_verify_commits_the_root_and_the_accepted_drafts():
 def test_short_sequences_pad_the_context():
     req = Request("a", [9])
     progress = RequestProgress()
-    progress.start(req, committed=1, recent=[9, 4])
+    progress.start(req, committed=1, tokens=[9, 4])
     assert progress.of(req).context == (-1, 9)
 
 
@@ -58,7 +58,7 @@ def test_an_unknown_request_is_read_from_its_tokens():
 def test_one_step_of_any_size_is_kept_and_a_longer_lag_is_an_error():
     req = Request("a", [1])
     progress = RequestProgress()
-    progress.start(req, committed=1, recent=[1, 2])
+    progress.start(req, committed=1, tokens=[1, 2])
     req.output_ids.append(2)
     big_step = list(range(100, 100 + KEPT_TOKENS + 10))  # a tree larger than KEPT_TOKENS, all accepted
     progress.advance(req, big_step)

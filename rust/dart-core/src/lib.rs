@@ -1,7 +1,8 @@
-//! DART core: a memory-mapped 3-gram store, the batched tree pruner, and a few-row matmul for CPU
+//! DART core: a memory-mapped 3-gram store, the batched tree pruner, per-request context n-gram indexes, and a few-row matmul for CPU
 //! serving.
 //! Pure Rust; the Python bindings live in the `dart-py` crate.
 
+pub mod context;
 pub mod gemm;
 pub mod model;
 pub mod prune;

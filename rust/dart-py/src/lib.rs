@@ -1,6 +1,7 @@
 //! Python bindings: `sglang_dart._core`. Each submodule registers its own classes/functions.
 use pyo3::prelude::*;
 
+mod context_py;
 mod gemm_py;
 mod prune_py;
 mod store_py;
@@ -11,5 +12,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     store_py::register(m)?;
     prune_py::register(m)?;
     gemm_py::register(m)?;
+    context_py::register(m)?;
     Ok(())
 }

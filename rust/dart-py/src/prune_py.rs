@@ -3,7 +3,9 @@
 //! buffers (no copy). Every error becomes a `ValueError` (`TypeError` for a wrong `store` type).
 use std::sync::Arc;
 
-use dart_core::prune::{self, BatchInput, DictNgramModel, PruneConfig, TokenIds, TreeBatch};
+use dart_core::prune::{
+    self, BatchInput, ContextChains, DictNgramModel, PruneConfig, TokenIds, TreeBatch,
+};
 use dart_core::store::NgramStore;
 use numpy::ndarray::{Array2, Array3};
 use numpy::PyUntypedArrayMethods;
@@ -131,12 +133,17 @@ impl Model {
         &self,
         cfg: &PruneConfig,
         input: &BatchInput<'_>,
+        chains: Option<&ContextChains<'_>>,
         vocab: Option<u64>,
     ) -> prune::error::Result<TreeBatch> {
         match self {
-            Model::NoNgram => prune::prune_batch::<DictNgramModel>(cfg, None, input, vocab),
-            Model::Dict(m) => prune::prune_batch(cfg, Some(&**m), input, vocab),
-            Model::Store(m) => prune::prune_batch(cfg, Some(&**m), input, vocab),
+            Model::NoNgram => {
+                prune::prune_batch_with_chains::<DictNgramModel>(cfg, None, input, chains, vocab)
+            }
+            Model::Dict(m) => prune::prune_batch_with_chains(cfg, Some(&**m), input, chains, vocab),
+            Model::Store(m) => {
+                prune::prune_batch_with_chains(cfg, Some(&**m), input, chains, vocab)
+            }
         }
     }
 }
@@ -186,7 +193,7 @@ fn default_prune_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     token_ids, probs, roots, context, eos_ids, *, store = None, vocab_size = None, topk = None,
     beam_width = None, num_nodes = None, ngram_weight = None, level_weight_exponent = None,
     logit_weight_base = None, eps = None, ngram_at_level0 = None, level_weights = None,
-    logit_weights = None
+    logit_weights = None, chains = None, chain_nodes = 0
 ))]
 #[allow(clippy::too_many_arguments)]
 fn prune_batch<'py>(
@@ -208,6 +215,8 @@ fn prune_batch<'py>(
     ngram_at_level0: Option<bool>,
     level_weights: Option<Vec<f64>>,
     logit_weights: Option<Vec<f64>>,
+    chains: Option<&Bound<'py, PyAny>>,
+    chain_nodes: usize,
 ) -> PyResult<Trees<'py>> {
     let probs: PyReadonlyArray3<'py, f32> = probs
         .extract()
@@ -251,6 +260,20 @@ fn prune_batch<'py>(
             context.shape()
         )));
     }
+    let chains: Option<PyReadonlyArray2<'py, i64>> = chains
+        .map(|c| {
+            c.extract()
+                .map_err(|_| value_error("chains must be a 2-D int64 numpy array [bs, width]"))
+        })
+        .transpose()?;
+    if let Some(c) = &chains {
+        if c.shape()[0] != bs {
+            return Err(value_error(format!(
+                "chains shape {:?} does not have bs = {bs} rows",
+                c.shape()
+            )));
+        }
+    }
     let model = Model::from_py(store)?;
     let vocab = vocab_size.or(model.vocab_size());
     // Unset knobs take `PruneConfig::default()`, the one place the defaults are written.
@@ -281,8 +304,16 @@ fn prune_batch<'py>(
         context: contiguous(context.as_slice(), "context")?,
         eos_ids: &eos_ids,
     };
+    let chain_input = match &chains {
+        Some(c) => Some(ContextChains {
+            tokens: contiguous(c.as_slice(), "chains")?,
+            width: c.shape()[1],
+            max_new: chain_nodes,
+        }),
+        None => None,
+    };
     let out = py
-        .detach(|| model.run(&cfg, &input, vocab))
+        .detach(|| model.run(&cfg, &input, chain_input.as_ref(), vocab))
         .map_err(value_error)?;
     let n = out.n;
     let shape_err =

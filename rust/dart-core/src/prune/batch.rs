@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use super::config::{PruneConfig, Resolved};
 use super::encode::{encode, TreeOut};
 use super::error::{bail, Result};
+use super::graft::{graft_chain, GraftScratch};
 use super::search::{search, SearchScratch, TreeRequest};
 use crate::NextTokenModel;
 
@@ -68,6 +69,15 @@ pub struct BatchInput<'a> {
     pub eos_ids: &'a [i64],
 }
 
+/// Context chains to graft onto the trees (`graft`): `[bs, width]` row-major, each row a chain of token
+/// ids ended by the first -1 (or the row's end); at most `max_new` new nodes per tree.
+#[derive(Debug, Clone, Copy)]
+pub struct ContextChains<'a> {
+    pub tokens: &'a [i64],
+    pub width: usize,
+    pub max_new: usize,
+}
+
 /// The pruned trees of a batch, every array row-major and owned (handed to numpy without copies).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TreeBatch {
@@ -92,6 +102,8 @@ type TreeSlices<'a> = (
 #[derive(Default)]
 struct Scratch {
     search: SearchScratch,
+    graft: GraftScratch,
+    chain: Vec<u32>,
     tokens: Vec<u32>,
     out_index: Vec<u32>,
 }
@@ -169,6 +181,30 @@ fn validate(input: &BatchInput<'_>, vocab_size: Option<u64>) -> Result<()> {
     Ok(())
 }
 
+fn validate_chains(chains: &ContextChains<'_>, bs: usize, vocab_size: Option<u64>) -> Result<()> {
+    let width = chains.width;
+    if chains.tokens.len() != bs * width {
+        bail!(
+            "chains has {} elements, expected [bs, width] = [{bs}, {width}]",
+            chains.tokens.len()
+        );
+    }
+    let limit = vocab_size.unwrap_or(1 << 32).min(1 << 32);
+    if let Some(i) = chains
+        .tokens
+        .iter()
+        .position(|&t| t != -1 && (t < 0 || t as u64 >= limit))
+    {
+        bail!(
+            "chains[{}, {}] = {} is neither -1 nor in [0, {limit})",
+            i / width,
+            i % width,
+            chains.tokens[i]
+        );
+    }
+    Ok(())
+}
+
 /// Prunes every request of the batch. `model = None` drops the n-gram term (the "no n-gram" mode).
 /// `vocab_size`, when known, bounds every token id.
 pub fn prune_batch<M: NextTokenModel + ?Sized>(
@@ -177,8 +213,22 @@ pub fn prune_batch<M: NextTokenModel + ?Sized>(
     input: &BatchInput<'_>,
     vocab_size: Option<u64>,
 ) -> Result<TreeBatch> {
+    prune_batch_with_chains(cfg, model, input, None, vocab_size)
+}
+
+/// [`prune_batch`], then each request's context chain grafted onto its tree (`graft`).
+pub fn prune_batch_with_chains<M: NextTokenModel + ?Sized>(
+    cfg: &PruneConfig,
+    model: Option<&M>,
+    input: &BatchInput<'_>,
+    chains: Option<&ContextChains<'_>>,
+    vocab_size: Option<u64>,
+) -> Result<TreeBatch> {
     let resolved = cfg.resolve(input.depth, input.k)?;
     validate(input, vocab_size)?;
+    if let Some(chains) = chains {
+        validate_chains(chains, input.batch_size, vocab_size)?;
+    }
     let eos: Vec<u32> = input.eos_ids.iter().map(|&t| t as u32).collect();
     let (bs, n) = (input.batch_size, resolved.n());
     let mut out = TreeBatch {
@@ -196,7 +246,12 @@ pub fn prune_batch<M: NextTokenModel + ?Sized>(
             depth,
             tree_mask,
         };
-        with_scratch(|s| prune_one(&resolved, model, input, &eos, r, s, tree));
+        let job = Job {
+            input,
+            chains,
+            eos: &eos,
+        };
+        with_scratch(|s| prune_one(&resolved, model, &job, r, s, tree));
     };
     if bs <= 1 {
         // One tree: stay on the calling thread (no hand-off to the pool).
@@ -226,15 +281,22 @@ fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     })
 }
 
+/// What every request of a batch shares.
+struct Job<'a> {
+    input: &'a BatchInput<'a>,
+    chains: Option<&'a ContextChains<'a>>,
+    eos: &'a [u32],
+}
+
 fn prune_one<M: NextTokenModel + ?Sized>(
     cfg: &Resolved,
     model: Option<&M>,
-    input: &BatchInput<'_>,
-    eos: &[u32],
+    job: &Job<'_>,
     r: usize,
     s: &mut Scratch,
     out: TreeOut<'_>,
 ) {
+    let (input, chains, eos) = (job.input, job.chains, job.eos);
     let cells = cfg.depth * cfg.k;
     let range = r * cells..(r + 1) * cfg.depth * cfg.k;
     input.token_ids.copy_to(range.clone(), &mut s.tokens);
@@ -246,6 +308,13 @@ fn prune_one<M: NextTokenModel + ?Sized>(
         root: input.roots[r] as u32,
     };
     search(cfg, model, &req, eos, &mut s.search);
+    if let Some(chains) = chains.filter(|c| c.max_new > 0 && c.width > 0) {
+        let row = &chains.tokens[r * chains.width..(r + 1) * chains.width];
+        s.chain.clear();
+        s.chain
+            .extend(row.iter().take_while(|&&t| t >= 0).map(|&t| t as u32));
+        graft_chain(&mut s.search, &s.chain, chains.max_new, &mut s.graft);
+    }
     encode(&s.search.arena, &s.search.selected, &mut s.out_index, out);
 }
 

@@ -1,0 +1,184 @@
+//! Per-request index of a sequence's own n-grams, for context chains (`prune::graft`): the tokens that
+//! followed the latest earlier occurrence of the sequence's current suffix, longest suffix first.
+//!
+//! Each n-gram (n in `MIN_NGRAM..=MAX_NGRAM`) is recorded, once the token after it is known, with the
+//! position of that token; a later occurrence overwrites an earlier one. The current suffix is never in
+//! the index (its next token is not known yet), so a look-up finds an earlier occurrence only. Appending
+//! costs O(new tokens); a look-up O(1) plus the chain it copies.
+use std::collections::HashMap;
+
+pub const MIN_NGRAM: usize = 2;
+pub const MAX_NGRAM: usize = 4;
+/// Token ids are packed 24 bits each into the keys (DART refuses vocabularies of 2^24 tokens or more).
+pub const MAX_TOKEN: u32 = (1 << 24) - 1;
+
+/// The n-gram `tokens` (n ≤ 4, ids ≤ `MAX_TOKEN`) as one key; n is part of it.
+fn key(tokens: &[u32]) -> u128 {
+    tokens
+        .iter()
+        .fold(tokens.len() as u128, |k, &t| (k << 24) | u128::from(t))
+}
+
+/// One sequence and its n-gram index.
+#[derive(Debug, Default, Clone)]
+pub struct ContextSequence {
+    tokens: Vec<u32>,
+    next_of: HashMap<u128, u32>,
+}
+
+impl ContextSequence {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Appends tokens (each ≤ `MAX_TOKEN`, checked by the caller), recording the n-grams they complete.
+    pub fn extend(&mut self, new_tokens: &[u32]) {
+        for &token in new_tokens {
+            let at = self.tokens.len();
+            // The n-grams ending just before `at` now have a known next token: the one at `at`.
+            for n in MIN_NGRAM..=MAX_NGRAM.min(at) {
+                self.next_of
+                    .insert(key(&self.tokens[at - n..at]), at as u32);
+            }
+            self.tokens.push(token);
+        }
+    }
+
+    /// Up to `max_len` tokens that followed the latest earlier occurrence of the longest suffix n-gram
+    /// found; empty when none recurs.
+    pub fn chain(&self, max_len: usize) -> &[u32] {
+        let len = self.tokens.len();
+        for n in (MIN_NGRAM..=MAX_NGRAM.min(len)).rev() {
+            if let Some(&at) = self.next_of.get(&key(&self.tokens[len - n..])) {
+                let at = at as usize;
+                return &self.tokens[at..len.min(at + max_len)];
+            }
+        }
+        &[]
+    }
+}
+
+/// The sequences of the running requests, by request id.
+#[derive(Debug, Default)]
+pub struct ContextIndex {
+    sequences: HashMap<String, ContextSequence>,
+}
+
+impl ContextIndex {
+    /// Sets a request's sequence to `tokens`. One that extends what is indexed (a later prefill chunk, a
+    /// retracted request coming back) only appends the difference.
+    pub fn set(&mut self, rid: &str, tokens: &[u32]) {
+        let seq = self.sequences.entry(rid.to_owned()).or_default();
+        if !tokens.starts_with(&seq.tokens) {
+            *seq = ContextSequence::default();
+        }
+        let known = seq.len();
+        seq.extend(&tokens[known..]);
+    }
+
+    /// Appends to a request's sequence (a request not indexed starts empty).
+    pub fn extend(&mut self, rid: &str, tokens: &[u32]) {
+        self.sequences
+            .entry(rid.to_owned())
+            .or_default()
+            .extend(tokens);
+    }
+
+    pub fn get(&self, rid: &str) -> Option<&ContextSequence> {
+        self.sequences.get(rid)
+    }
+
+    /// Forgets every request not in `rids`.
+    pub fn keep_only(&mut self, rids: &[&str]) {
+        if rids.len() == self.sequences.len()
+            && rids.iter().all(|r| self.sequences.contains_key(*r))
+        {
+            return;
+        }
+        let keep: std::collections::HashSet<&str> = rids.iter().copied().collect();
+        self.sequences.retain(|rid, _| keep.contains(rid.as_str()));
+    }
+
+    pub fn len(&self) -> usize {
+        self.sequences.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sequences.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(tokens: &[u32]) -> ContextSequence {
+        let mut s = ContextSequence::default();
+        s.extend(tokens);
+        s
+    }
+
+    #[test]
+    fn the_longest_recurring_suffix_gives_the_chain() {
+        // suffix [2, 3, 4] occurred at 1..4, followed by 5, 9, 2, ...
+        assert_eq!(seq(&[1, 2, 3, 4, 5, 9, 2, 3, 4]).chain(3), &[5, 9, 2]);
+        // only the 2-gram [3, 4] recurs: the longer suffixes do not
+        assert_eq!(seq(&[3, 4, 7, 8, 2, 3, 4]).chain(8), &[7, 8, 2, 3, 4]);
+        // the latest occurrence wins
+        assert_eq!(seq(&[5, 6, 1, 5, 6, 2, 5, 6]).chain(1), &[2]);
+    }
+
+    #[test]
+    fn nothing_recurs_nothing_is_chained() {
+        assert!(seq(&[1, 2, 3, 4]).chain(4).is_empty());
+        assert!(seq(&[7]).chain(4).is_empty());
+        assert!(seq(&[]).chain(4).is_empty());
+        // a single recurring token is not enough
+        assert!(seq(&[1, 2, 3, 1]).chain(4).is_empty());
+    }
+
+    #[test]
+    fn a_self_overlapping_run_chains_itself() {
+        assert_eq!(seq(&[8, 8, 8, 8]).chain(4), &[8]);
+        assert_eq!(seq(&[1, 2, 1, 2, 1, 2]).chain(4), &[1, 2]);
+    }
+
+    #[test]
+    fn extending_in_pieces_equals_extending_at_once() {
+        let all = [4, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2];
+        let mut pieces = ContextSequence::default();
+        for part in all.chunks(3) {
+            pieces.extend(part);
+        }
+        assert_eq!(pieces.chain(5), seq(&all).chain(5));
+        assert_eq!(pieces.chain(5), &[3, 7, 1, 2]);
+    }
+
+    #[test]
+    fn set_appends_a_continuation_and_restarts_a_different_sequence() {
+        let mut index = ContextIndex::default();
+        index.set("a", &[1, 2, 3]);
+        index.set("a", &[1, 2, 3, 1, 2]);
+        assert_eq!(index.get("a").unwrap().chain(2), &[3, 1]);
+        index.set("a", &[9, 9]);
+        assert_eq!(index.get("a").unwrap().tokens(), &[9, 9]);
+        index.extend("b", &[5]);
+        index.keep_only(&["b"]);
+        assert!(index.get("a").is_none());
+        assert_eq!(index.len(), 1);
+    }
+
+    #[test]
+    fn keys_of_different_lengths_differ() {
+        assert_ne!(key(&[0, 1]), key(&[0, 0, 1]));
+        assert_ne!(key(&[MAX_TOKEN, 1]), key(&[1, MAX_TOKEN]));
+    }
+}

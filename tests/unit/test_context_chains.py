@@ -1,0 +1,159 @@
+"""Context chains: the Rust per-request n-gram index (`ContextIndex`) against a plain-Python reference, and
+the pruner's grafting of a chain onto its trees (shape, order, what is displaced), plus input errors."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from sglang_dart.dart.progress import RequestProgress
+from sglang_dart.pruner import ContextIndex, PrunerConfig, prune_batch
+from tests.unit.test_pruner import _assert_invariants, _softmax_rows
+
+
+def reference_chain(seq: list[int], width: int) -> list[int]:
+    """What followed the latest earlier occurrence of the longest suffix of 4, 3 or 2 tokens."""
+    for n in range(min(4, len(seq)), 1, -1):
+        suffix = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start : start + n] == suffix:
+                return seq[start + n : start + n + width]
+    return []
+
+
+def test_index_matches_the_reference_on_random_sequences() -> None:
+    rnd = random.Random(7)
+    index = ContextIndex()
+    for case in range(400):
+        vocab = rnd.choice([2, 3, 5, 50])
+        seq = [rnd.randrange(vocab) for _ in range(rnd.randint(0, 60))]
+        rid = f"r{case}"
+        cut = rnd.randint(0, len(seq))
+        index.set(rid, seq[:cut])  # a prefill (chunk), then the decode steps' tokens in pieces
+        at = cut
+        while at < len(seq):
+            step = rnd.randint(1, 4)
+            index.extend(rid, seq[at : at + step])
+            at += step
+        width = rnd.randint(1, 9)
+        got = index.chains([rid], width)[0].tolist()
+        want = reference_chain(seq, width)
+        assert got == want + [-1] * (width - len(want)), (seq, width)
+
+
+def test_index_set_continues_or_restarts_and_forgets() -> None:
+    index = ContextIndex()
+    index.set("a", [1, 2, 3, 9, 1, 2])
+    index.set("a", [1, 2, 3, 9, 1, 2, 3])  # a later chunk of the same prompt
+    assert index.chains(["a"], 3).tolist() == [[9, 1, 2]]
+    index.set("a", [4, 5])  # another sequence under the same id
+    assert index.tokens("a") == [4, 5]
+    assert index.chains(["a", "unknown"], 2).tolist() == [[-1, -1], [-1, -1]]
+    index.keep_only([])
+    assert len(index) == 0
+    with pytest.raises(ValueError, match="outside"):
+        index.extend("a", [1 << 24])
+    with pytest.raises(ValueError, match="outside"):
+        index.set("a", [-1])
+
+
+class _Req:
+    def __init__(self, rid: str, prompt: list[int]) -> None:
+        self.rid, self.origin_input_ids, self.output_ids = rid, prompt, []
+
+
+def test_progress_keeps_the_index_in_step() -> None:
+    progress = RequestProgress(index_context=True)
+    a, b = _Req("a", [5, 6, 7, 8, 5, 6]), _Req("b", [1])
+    progress.start(a, committed=6, tokens=[5, 6, 7, 8, 5, 6, 7])
+    progress.start(b, committed=1, tokens=[1, 2])
+    assert progress.context.chains(["a"], 4).tolist() == [[8, 5, 6, 7]]
+    progress.advance(a, [8, 5])  # accepted 8, bonus 5: "... 7 8 5" recurs
+    assert progress.context.chains(["a"], 2).tolist() == [[6, 7]]
+    progress.keep_only([b])
+    assert len(progress.context) == 1
+    assert RequestProgress().context is None
+
+
+def _case(seed: int, bs: int = 3, depth: int = 4, k: int = 4) -> dict:
+    rng = np.random.default_rng(seed)
+    probs = _softmax_rows(rng, (bs, depth, k))
+    order = np.argsort(-probs, axis=-1)
+    return {
+        # distinct ids per row, as a top-k gives them
+        "token_ids": np.array(
+            [[10 + rng.choice(20, k, replace=False) for _ in range(depth)] for _ in range(bs)], np.int64
+        ),
+        "probs": np.take_along_axis(probs, order, axis=-1),
+        "roots": np.arange(bs, dtype=np.int64),
+        "context": np.full((bs, 2), -1, np.int64),
+        "eos_ids": [],
+        "config": PrunerConfig(topk=k, beam_width=4, num_nodes=7),
+    }
+
+
+def _paths(tokens: np.ndarray, parents: np.ndarray) -> list[tuple[int, ...]]:
+    """Each node's tokens from below the root down to it."""
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, len(tokens)):
+        paths.append(paths[parents[i]] + (int(tokens[i]),))
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_grafted_trees_keep_their_size_order_and_nodes(seed: int) -> None:
+    c = _case(seed)
+    rnd = random.Random(seed)
+    plain = prune_batch(**c)
+    chains = np.full((3, 6), -1, np.int64)
+    for r in range(3):
+        own = list(_paths(plain.tokens[r], plain.parents[r])[rnd.randrange(8)])  # a path of the tree...
+        own += [rnd.randrange(100, 110) for _ in range(rnd.randint(0, 4))]  # ...then new tokens
+        chains[r, : min(6, len(own))] = own[:6]
+    for nodes in (0, 1, 3, 6):
+        got = prune_batch(**c, chains=chains, chain_nodes=nodes)
+        _assert_invariants(*got[:4])
+        for r in range(3):
+            before = _paths(plain.tokens[r], plain.parents[r])
+            after = _paths(got.tokens[r], got.parents[r])
+            chain = [int(t) for t in chains[r] if t >= 0]
+            matched = max(len(p) for p in before if tuple(chain[: len(p)]) == p)
+            grafted = chain[: matched + min(nodes, 7 - matched)]  # 7 nodes below the root to displace
+            assert tuple(grafted) in after, (nodes, chain, after)
+            new = [p for p in after if p not in before]
+            assert len(new) == len(grafted) - matched
+            assert all(tuple(grafted[: len(p)]) == p for p in new)  # only the chain is new
+            # nothing on the chain's path is displaced
+            assert all(p in after for p in before if tuple(chain[: len(p)]) == p)
+
+
+def test_the_lowest_ranked_nodes_make_room() -> None:
+    # One level, children in descending probability: a new chain of two tokens displaces the last two.
+    probs = np.array([[[0.4, 0.3, 0.2, 0.1]]], np.float32)
+    args = {
+        "token_ids": np.array([[[11, 12, 13, 14]]], np.int64),
+        "probs": probs,
+        "roots": np.array([0], np.int64),
+        "config": PrunerConfig(topk=4, beam_width=4, num_nodes=4),
+    }
+    assert prune_batch(**args).tokens.tolist() == [[0, 11, 12, 13, 14]]
+    got = prune_batch(**args, chains=np.array([[99, 98]], np.int64), chain_nodes=2)
+    assert got.tokens.tolist() == [[0, 11, 12, 99, 98]]
+    assert got.parents.tolist() == [[-1, 0, 0, 0, 3]]
+    # a chain already in the tree changes nothing
+    same = prune_batch(**args, chains=np.array([[12, -1]], np.int64), chain_nodes=2)
+    assert same.tokens.tolist() == [[0, 11, 12, 13, 14]]
+
+
+def test_bad_chains_are_refused() -> None:
+    c = _case(0)
+    with pytest.raises(ValueError, match="chains"):
+        prune_batch(**c, chains=np.zeros((2, 3), np.int64), chain_nodes=2)  # bs is 3
+    with pytest.raises(ValueError, match="chains"):
+        prune_batch(**c, chains=np.full((3, 2), 1 << 40, np.int64), chain_nodes=2, vocab_size=100)
+    with pytest.raises(ValueError, match="chain_nodes"):
+        prune_batch(**c, chains=np.zeros((3, 2), np.int64), chain_nodes=-1)
+    with pytest.raises(ValueError, match="2-D"):
+        prune_batch(**c, chains=np.zeros(3, np.int64), chain_nodes=1)
