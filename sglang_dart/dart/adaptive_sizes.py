@@ -13,7 +13,13 @@ neighbour of the best and the root alone (plain decoding, the size that must nev
 probe's step replaces the size's estimate: estimates of sizes not in use go stale, and a stale one that
 is too low would otherwise never be tried again (a probe that comes out too high makes its size the
 chosen one, which is measured every step from then on and so corrects itself within a few steps). A size
-replaces the one in use only if it measures 5% faster, so noise alone does not move the choice. So the
+replaces the one in use only if it measures 5% faster, so noise alone does not move the choice.
+Tokens per step are averaged over many more steps than step times (weight 0.01 against 0.2, and a probe
+adds one sample to them instead of replacing them), and the guard probes a size every 5 steps until it
+has 20: a step time varies little, but how many drafts one
+step accepts varies from none to the whole path, so a short average of it swung a tree's estimate below
+plain decoding's after two poor steps and made the choice flip back and forth (17 switches in 7 minutes
+at batch 1 in peers run 4, about half the steps root-only where trees ran 1.45x plain). So the
 choice follows a drafter that gets better or worse on the current traffic. It never changes what is
 generated: only how many tokens a step verifies. The chosen size of a bucket is logged when it changes.
 """
@@ -28,7 +34,13 @@ from sglang_dart.dart.tree_sizes import TreeSizeSchedule
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-PROBE_WEIGHT = 1.0  # share of a probe's step in its size's estimate: it re-measures the size
+PROBE_WEIGHT = 1.0  # share of a probe's step time in its size's estimate: it re-measures the cost
+TOKENS_SMOOTHING = 0.01  # weight of one step's tokens: acceptance is noisy per step, steady over many
+# The guard's two sizes: until one has GUARD_SETTLE_SAMPLES steps it is probed every SETTLE_EVERY steps, so
+# a few lucky or unlucky warm-up steps do not decide for the hundreds of steps regular probes would take to
+# correct them. Not for `auto`: its five sizes include trees that cost many plain steps each.
+GUARD_SETTLE_SAMPLES = 20
+SETTLE_EVERY = 5
 SWITCH_MARGIN = 0.05  # another size must beat the one in use by this much: noise is no reason to switch
 
 
@@ -38,11 +50,11 @@ class _SizeStats:
     tokens: float = 0.0  # moving average of tokens emitted by one step (all requests)
     samples: int = 0
 
-    def add(self, seconds: float, tokens: float, weight: float) -> None:
+    def add(self, seconds: float, tokens: float, weight: float, tokens_weight: float) -> None:
         # The plain mean while there are few samples, then a moving average.
-        weight = max(weight, 1.0 / (self.samples + 1))
-        self.seconds += weight * (seconds - self.seconds)
-        self.tokens += weight * (tokens - self.tokens)
+        first = 1.0 / (self.samples + 1)
+        self.seconds += max(weight, first) * (seconds - self.seconds)
+        self.tokens += max(tokens_weight, first) * (tokens - self.tokens)
         self.samples += 1
 
     @property
@@ -81,9 +93,15 @@ def _bucket_range(key: int) -> str:
 
 class AdaptiveTreeSizes:
     label = AUTO  # names the schedule in its log lines
+    settle_samples = 0  # no settling probes (GUARD_SETTLE_SAMPLES)
 
     def __init__(
-        self, max_size: int, warmup: int = 3, explore_every: int = 50, smoothing: float = 0.2
+        self,
+        max_size: int,
+        warmup: int = 3,
+        explore_every: int = 50,
+        smoothing: float = 0.2,
+        tokens_smoothing: float = TOKENS_SMOOTHING,
     ) -> None:
         if max_size < 1:
             raise ValueError(f"tree size must be >= 1, got {max_size}")
@@ -92,6 +110,7 @@ class AdaptiveTreeSizes:
         self.warmup = warmup
         self.explore_every = explore_every
         self.smoothing = smoothing
+        self.tokens_smoothing = tokens_smoothing
         self._buckets: dict[int, _Bucket] = {}
 
     def candidates(self, smallest_batch: int) -> tuple[int, ...]:
@@ -131,6 +150,14 @@ class AdaptiveTreeSizes:
         if best != bucket.chosen:
             bucket.chosen = best
             self._log_choice(batch_size, bucket)
+        unsettled = [
+            size for size, st in bucket.stats.items() if size != best and st.samples < self.settle_samples
+        ]
+        if unsettled and bucket.steps % SETTLE_EVERY == 0:
+            probe = unsettled[bucket.probes % len(unsettled)]
+            bucket.probes += 1
+            bucket.probing.add(probe)
+            return probe
         if bucket.steps % self.explore_every:
             return best
         probes = self._probes(best, tuple(bucket.stats))
@@ -157,7 +184,8 @@ class AdaptiveTreeSizes:
             return
         probed = size in bucket.probing
         bucket.probing.discard(size)
-        stats.add(seconds, float(tokens), PROBE_WEIGHT if probed else self.smoothing)
+        weight = PROBE_WEIGHT if probed else self.smoothing
+        stats.add(seconds, float(tokens), weight, self.tokens_smoothing)
 
     def _log_choice(self, batch_size: int, bucket: _Bucket) -> None:
         rates = ", ".join(
@@ -184,6 +212,7 @@ class GuardedTreeSizes(AdaptiveTreeSizes):
     noise moves less. Explicit schedules (SGLANG_DART_TREE_SIZES) run unguarded, as given."""
 
     label = "guarded"
+    settle_samples = GUARD_SETTLE_SAMPLES
 
     def __init__(self, schedule: TreeSizeSchedule, **kwargs: float) -> None:
         super().__init__(schedule.max_size, **kwargs)
