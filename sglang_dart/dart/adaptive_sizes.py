@@ -10,18 +10,19 @@ a moving average of step seconds and of tokens emitted per step, and picks the s
 per second. Every candidate is tried at least `warmup` times first (their plain mean: one step slowed down
 by the VM must not decide). After that, one step in `explore_every` probes another size, in turn a
 neighbour of the best and the root alone (plain decoding, the size that must never be lost to), and that
-probe's step replaces the size's estimate: estimates of sizes not in use go stale, and a stale one that
-is too low would otherwise never be tried again (a probe that comes out too high makes its size the
-chosen one, which is measured every step from then on and so corrects itself within a few steps). A size
-replaces the one in use only if it measures 5% faster, so noise alone does not move the choice.
-Tokens per step are averaged over many more steps than step times (weight 0.01 against 0.2, and a probe
-adds one sample to them instead of replacing them), and the guard probes a size every 5 steps until it
-has 20: a step time varies little, but how many drafts one
-step accepts varies from none to the whole path, so a short average of it swung a tree's estimate below
-plain decoding's after two poor steps and made the choice flip back and forth (17 switches in 7 minutes
-at batch 1 in peers run 4, about half the steps root-only where trees ran 1.45x plain). So the
-choice follows a drafter that gets better or worse on the current traffic. It never changes what is
-generated: only how many tokens a step verifies. The chosen size of a bucket is logged when it changes.
+probe's step time replaces the size's: the costs of sizes not in use go stale, and a stale one that is too
+high would otherwise never be tried again (a probe that comes out too low makes its size the chosen one,
+which is measured every step from then on and so corrects itself within a few steps). A size replaces the
+one in use only if it measures 5% faster, so noise alone does not move the choice. So the choice follows
+a drafter that gets better or worse on the current traffic. It never changes what is generated: only how
+many tokens a step verifies. The chosen size of a bucket is logged when it changes.
+
+Tokens per step are averaged over about 100 steps (weight 0.01; a probe adds one sample), step times over
+about 5 (weight 0.2): a step's time varies little, but how many drafts it accepts varies from none to the
+whole path. With the short average two poor steps sent a paying tree below plain decoding, and one probe
+step decided its way back (peers run 4: 17 switches in 7 minutes at batch 1; simulated trees that pay
+1.45x ran root-only in 36-55% of steps). The guard also probes each of its two sizes every 5 steps until
+it has 20 steps of it, so an unlucky warm-up does not decide either.
 """
 
 from __future__ import annotations
