@@ -3,12 +3,15 @@ the pruner's grafting of a chain onto its trees (shape, order, what is displaced
 
 from __future__ import annotations
 
+import json
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from sglang_dart.dart.progress import RequestProgress
+from sglang_dart.dart.settings import DEFAULT_CONTEXT_NODES, DartArgsError, context_nodes
 from sglang_dart.pruner import ContextIndex, PrunerConfig, prune_batch
 from tests.unit.test_pruner import _assert_invariants, _softmax_rows
 
@@ -157,3 +160,19 @@ def test_bad_chains_are_refused() -> None:
         prune_batch(**c, chains=np.zeros((3, 2), np.int64), chain_nodes=-1)
     with pytest.raises(ValueError, match="2-D"):
         prune_batch(**c, chains=np.zeros(3, np.int64), chain_nodes=1)
+
+
+def test_chain_nodes_come_from_the_environment_or_the_drafter_config(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"dart_context_nodes": 2}))
+    args = SimpleNamespace(speculative_draft_model_path=str(tmp_path))
+    monkeypatch.delenv("SGLANG_DART_CONTEXT_NODES", raising=False)
+    assert context_nodes(args) == 2
+    monkeypatch.setenv("SGLANG_DART_CONTEXT_NODES", "0")  # off
+    assert context_nodes(args) == 0
+    for bad in ("-1", "four", "2.5"):
+        monkeypatch.setenv("SGLANG_DART_CONTEXT_NODES", bad)
+        with pytest.raises(DartArgsError, match="SGLANG_DART_CONTEXT_NODES"):
+            context_nodes(args)
+    monkeypatch.delenv("SGLANG_DART_CONTEXT_NODES")
+    (tmp_path / "config.json").write_text("{}")
+    assert context_nodes(args) == DEFAULT_CONTEXT_NODES
