@@ -112,6 +112,18 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+/// Every token id must be below this: the vocabulary size when known, and ids are u32 inside.
+fn id_limit(vocab_size: Option<u64>) -> u64 {
+    vocab_size.unwrap_or(1 << 32).min(1 << 32)
+}
+
+/// Position of the first value that is neither -1 (unknown / none) nor a token id below `limit`.
+fn first_neither_unknown_nor_id(values: &[i64], limit: u64) -> Option<usize> {
+    values
+        .iter()
+        .position(|&t| t != -1 && (t < 0 || t as u64 >= limit))
+}
+
 fn validate(input: &BatchInput<'_>, vocab_size: Option<u64>) -> Result<()> {
     let (bs, d, k) = (input.batch_size, input.depth, input.k);
     let cells = bs.checked_mul(d).and_then(|x| x.checked_mul(k));
@@ -143,7 +155,7 @@ fn validate(input: &BatchInput<'_>, vocab_size: Option<u64>) -> Result<()> {
             2 * bs
         );
     }
-    let limit = vocab_size.unwrap_or(1 << 32).min(1 << 32);
+    let limit = id_limit(vocab_size);
     let at = |i: usize| (i / (d * k), (i / k) % d, i % k);
     if let Some((i, t)) = input.token_ids.first_invalid(limit) {
         let (r, l, j) = at(i);
@@ -163,11 +175,7 @@ fn validate(input: &BatchInput<'_>, vocab_size: Option<u64>) -> Result<()> {
     if let Some(i) = input.roots.iter().position(|&t| t < 0 || t as u64 >= limit) {
         bail!("roots[{i}] = {} is outside [0, {limit})", input.roots[i]);
     }
-    if let Some(i) = input
-        .context
-        .iter()
-        .position(|&t| t != -1 && (t < 0 || t as u64 >= limit))
-    {
+    if let Some(i) = first_neither_unknown_nor_id(input.context, limit) {
         bail!(
             "context[{}, {}] = {} is neither -1 nor in [0, {limit})",
             i / 2,
@@ -189,12 +197,8 @@ fn validate_chains(chains: &ContextChains<'_>, bs: usize, vocab_size: Option<u64
             chains.tokens.len()
         );
     }
-    let limit = vocab_size.unwrap_or(1 << 32).min(1 << 32);
-    if let Some(i) = chains
-        .tokens
-        .iter()
-        .position(|&t| t != -1 && (t < 0 || t as u64 >= limit))
-    {
+    let limit = id_limit(vocab_size);
+    if let Some(i) = first_neither_unknown_nor_id(chains.tokens, limit) {
         bail!(
             "chains[{}, {}] = {} is neither -1 nor in [0, {limit})",
             i / width,
