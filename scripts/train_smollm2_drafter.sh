@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Rebuild, from nothing but the installed packages, the SmolLM2-135M-Instruct drafter and 3-gram store the
-# benchmarks measure: the target answers every training prompt (none of them a benchmark or warm-up prompt),
-# a drafter is trained on those answers, and the store is built from the same answers.
+# project ships: the target answers every training prompt (none of them a benchmark or warm-up prompt), a
+# drafter is trained on those answers, and the store is built from the same answers.
 #
 #   bash scripts/train_smollm2_drafter.sh OUT_DIR      # writes OUT_DIR/draft and OUT_DIR/answers.store
 #
+# The prompts: the built-in synthetic pool (~860), MAGPIE (default 2800) user turns the target writes itself
+# under its default system prompt (chat), and MAGPIE_CODE (default 1400) written under a coding assistant's
+# system prompt (code questions): about 5,000 answers, some 2 hours of generation on a 2-core VM.
 # DTYPE (default bfloat16) is the target dtype of generation and training; use the dtype you will serve in
 # (float32 on CPUs without bf16 matrix instructions, where it is several times faster). TRAIN_MINUTES
 # (default 60) and MAX_STEPS (default 3000) bound training, whichever ends first; CONCURRENCY (default 32)
-# is the generation batch. MAGPIE (default 4200) adds that many user prompts written by the target itself
-# (`generate --magpie`) to the ~860 of the built-in pool: about 5,000 answers, some 3 hours on a 2-core VM.
-# A step whose output is already in OUT_DIR is skipped and an interrupted generation resumes, so the run
-# picks up where it stopped.
+# is the generation batch. A step whose output is already in OUT_DIR is skipped and an interrupted
+# generation resumes, so the run picks up where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/train_smollm2_drafter.sh OUT_DIR}
@@ -19,21 +20,35 @@ DTYPE=${DTYPE:-bfloat16}
 TRAIN_MINUTES=${TRAIN_MINUTES:-60}
 MAX_STEPS=${MAX_STEPS:-3000}
 CONCURRENCY=${CONCURRENCY:-32}
-MAGPIE=${MAGPIE:-4200}
+MAGPIE=${MAGPIE:-2800}
+MAGPIE_CODE=${MAGPIE_CODE:-1400}
+CODE_SYSTEM="You are an expert programming assistant. Users ask you to write, complete, fix, explain and \
+review code in Python, JavaScript, TypeScript, C, C++, Rust, Go, Java, SQL and shell scripts."
 PY=.venv/bin/python
 mkdir -p "$OUT"
 
 target=$($PY -m sglang_dart.assets smollm2 2>/dev/null | tail -n 1)
-$PY - "$OUT/bench_prompts.txt" <<'EOF'
-import sys
-sys.path.insert(0, "benchmarks")
-from throughput import PROMPTS, WARMUP_PROMPTS
-open(sys.argv[1], "w").write("\n".join(PROMPTS + WARMUP_PROMPTS) + "\n")
-EOF
+$PY benchmarks/bench_prompts.py --exclude-file "$OUT/bench_prompts.txt"
+generate=($PY -m sglang_dart.train.generate --target "$target" --dtype "$DTYPE" --concurrency "$CONCURRENCY"
+  --exclude-file "$OUT/bench_prompts.txt")
 
 if [ ! -s "$OUT/answers.jsonl" ]; then
-  $PY -m sglang_dart.train.generate --target "$target" --out "$OUT/answers.jsonl" --dtype "$DTYPE" \
-    --concurrency "$CONCURRENCY" --exclude-file "$OUT/bench_prompts.txt" --magpie "$MAGPIE"
+  "${generate[@]}" --out "$OUT/answers-chat.jsonl" --magpie "$MAGPIE"
+  "${generate[@]}" --out "$OUT/answers-code.jsonl" --num-prompts 0 --magpie "$MAGPIE_CODE" \
+    --magpie-system "$CODE_SYSTEM"
+  # One answer per prompt: a user turn both runs happened to write is kept once.
+  $PY - "$OUT/answers.jsonl" "$OUT/answers-chat.jsonl" "$OUT/answers-code.jsonl" <<'PYEOF'
+import json, sys
+seen, kept = set(), []
+for path in sys.argv[2:]:
+    for line in open(path):
+        prompt = json.loads(line)["prompt"]
+        if prompt not in seen:
+            seen.add(prompt)
+            kept.append(line)
+open(sys.argv[1], "w").writelines(kept)
+print(f"{len(kept)} answers")
+PYEOF
 fi
 if [ ! -s "$OUT/draft/model.safetensors" ]; then
   train_dtype_args=()
