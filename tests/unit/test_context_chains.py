@@ -62,6 +62,23 @@ def test_index_set_continues_or_restarts_and_forgets() -> None:
         index.set("a", [-1])
 
 
+def test_a_long_request_keeps_only_its_latest_tokens_indexed() -> None:
+    """Host memory per request is bounded: past 16,384 tokens only the latest 8,192 or more stay indexed."""
+    index = ContextIndex()
+    seq = list(range(20_000))  # nothing repeats
+    index.set("a", seq)
+    kept = index.tokens("a")
+    assert 8192 <= len(kept) < 16384 and kept == seq[-len(kept) :]
+    index.extend("a", [5, 6])  # occurred, but before the window
+    assert index.chains(["a"], 3).tolist() == [[-1, -1, -1]]
+    index.extend("a", kept[:2])  # occurred inside the window
+    assert index.chains(["a"], 3).tolist() == [kept[2:5]]
+    # the whole sequence again, one token longer: a continuation, not a restart
+    index.set("a", seq + [5, 6, *kept[:2], 7])
+    assert index.tokens("a")[-3:] == [*kept[:2], 7]
+    assert len(index.tokens("a")) == len(kept) + 5
+
+
 class _Req:
     def __init__(self, rid: str, prompt: list[int]) -> None:
         self.rid, self.origin_input_ids, self.output_ids = rid, prompt, []

@@ -4,7 +4,10 @@
 //! Each n-gram (n in `MIN_NGRAM..=MAX_NGRAM`) is recorded, once the token after it is known, with the
 //! position of that token; a later occurrence overwrites an earlier one. The current suffix is never in
 //! the index (its next token is not known yet), so a look-up finds an earlier occurrence only. Appending
-//! costs O(new tokens); a look-up O(1) plus the chain it copies.
+//! costs O(new tokens), amortized; a look-up O(1) plus the chain it copies.
+//!
+//! Host memory is bounded: a sequence indexes its latest `WINDOW` to `2 * WINDOW` tokens (about 100 bytes
+//! each), so a long-context request costs at most ~2 MB however long it runs.
 use std::collections::HashMap;
 
 pub const MIN_NGRAM: usize = 2;
@@ -19,41 +22,90 @@ fn key(tokens: &[u32]) -> u128 {
         .fold(tokens.len() as u128, |k, &t| (k << 24) | u128::from(t))
 }
 
-/// One sequence and its n-gram index.
-#[derive(Debug, Default, Clone)]
+/// Tokens a sequence keeps indexed at least. Once it holds twice as many, the older half leaves the index
+/// (rebuilt from the newer half, O(1) amortized per token): repeats further back than this rarely pay, and
+/// it caps a request's host memory.
+pub const WINDOW: usize = 8192;
+
+/// One sequence and its n-gram index over its latest tokens (its window).
+#[derive(Debug, Clone)]
 pub struct ContextSequence {
+    window: usize,
+    /// Tokens before `tokens[0]` that have left the window.
+    dropped: usize,
     tokens: Vec<u32>,
     next_of: HashMap<u128, u32>,
 }
 
+impl Default for ContextSequence {
+    fn default() -> Self {
+        Self::with_window(WINDOW)
+    }
+}
+
 impl ContextSequence {
+    /// An empty sequence that keeps `window` (≥ `MAX_NGRAM`) to `2 * window` tokens indexed.
+    pub fn with_window(window: usize) -> Self {
+        Self {
+            window: window.max(MAX_NGRAM),
+            dropped: 0,
+            tokens: Vec::new(),
+            next_of: HashMap::new(),
+        }
+    }
+
+    /// The whole sequence's length, including the tokens that left the window.
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        self.dropped + self.tokens.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.len() == 0
     }
 
+    /// The indexed tokens: the sequence's latest ones.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// Whether `sequence` continues this one (compared over the window: the dropped tokens are gone).
+    pub fn continued_by(&self, sequence: &[u32]) -> bool {
+        sequence.len() >= self.len() && sequence[self.dropped..self.len()] == self.tokens[..]
     }
 
     /// Appends tokens (each ≤ `MAX_TOKEN`, checked by the caller), recording the n-grams they complete.
     pub fn extend(&mut self, new_tokens: &[u32]) {
         for &token in new_tokens {
-            let at = self.tokens.len();
-            // The n-grams ending just before `at` now have a known next token: the one at `at`.
-            for n in MIN_NGRAM..=MAX_NGRAM.min(at) {
-                self.next_of
-                    .insert(key(&self.tokens[at - n..at]), at as u32);
+            self.push(token);
+            if self.tokens.len() >= 2 * self.window {
+                self.slide();
             }
-            self.tokens.push(token);
         }
     }
 
-    /// Up to `max_len` tokens that followed the latest earlier occurrence of the longest suffix n-gram
-    /// found; empty when none recurs.
+    fn push(&mut self, token: u32) {
+        let at = self.tokens.len();
+        // The n-grams ending just before `at` now have a known next token: the one at `at`.
+        for n in MIN_NGRAM..=MAX_NGRAM.min(at) {
+            self.next_of
+                .insert(key(&self.tokens[at - n..at]), at as u32);
+        }
+        self.tokens.push(token);
+    }
+
+    /// Drops all but the latest `window` tokens and re-indexes those.
+    fn slide(&mut self) {
+        let keep = self.tokens.split_off(self.tokens.len() - self.window);
+        self.dropped += self.tokens.len();
+        self.tokens.clear();
+        self.next_of.clear();
+        for token in keep {
+            self.push(token);
+        }
+    }
+
+    /// Up to `max_len` tokens that followed the latest earlier occurrence (within the window) of the
+    /// longest suffix n-gram found; empty when none recurs.
     pub fn chain(&self, max_len: usize) -> &[u32] {
         let len = self.tokens.len();
         for n in (MIN_NGRAM..=MAX_NGRAM.min(len)).rev() {
@@ -77,7 +129,7 @@ impl ContextIndex {
     /// retracted request coming back) only appends the difference.
     pub fn set(&mut self, rid: &str, tokens: &[u32]) {
         let seq = self.sequences.entry(rid.to_owned()).or_default();
-        if !tokens.starts_with(&seq.tokens) {
+        if !seq.continued_by(tokens) {
             *seq = ContextSequence::default();
         }
         let known = seq.len();
@@ -174,6 +226,26 @@ mod tests {
         index.keep_only(&["b"]);
         assert!(index.get("a").is_none());
         assert_eq!(index.len(), 1);
+    }
+
+    #[test]
+    fn a_long_sequence_keeps_its_latest_window_indexed() {
+        let all: Vec<u32> = (0..40).map(|i| i % 13).collect();
+        let mut windowed = ContextSequence::with_window(8);
+        for part in all.chunks(3) {
+            windowed.extend(part);
+        }
+        assert_eq!(windowed.len(), 40);
+        assert!(windowed.tokens().len() >= 8 && windowed.tokens().len() < 16);
+        assert_eq!(windowed.tokens(), &all[40 - windowed.tokens().len()..]);
+        // No 2-gram recurs within the last 8..16 tokens of a period-13 sequence; the full index finds one.
+        assert!(windowed.chain(4).is_empty());
+        assert_eq!(seq(&all).chain(4), &[1, 2, 3, 4]);
+        // A repeat inside the window is still found.
+        windowed.extend(&[99, 7, 8, 5, 99, 7]);
+        assert_eq!(windowed.chain(2), &[8, 5]);
+        assert!(windowed.continued_by(&[all.as_slice(), &[99, 7, 8, 5, 99, 7, 1]].concat()));
+        assert!(!windowed.continued_by(&all));
     }
 
     #[test]
