@@ -1,15 +1,18 @@
 """Tokens per verify step (τ) of DART under several pruner settings, through the real SGLang server.
 
     .venv/bin/python benchmarks/acceptance.py --draft DRAFT_DIR --store STORE [--model DIR]
-        [--new-tokens 64] [--dtype float32] SETTING [SETTING ...]
+        [--new-tokens 64] [--dtype float32] [--prompts varied [code]] SETTING [SETTING ...]
 
 A SETTING is a comma-separated list of VAR=VALUE environment variables for one DART server, e.g.
 `SGLANG_DART_TREE_SIZES=1:8` or `SGLANG_DART_TREE_SIZES=1:16,SGLANG_DART_NGRAM_WEIGHT=0` (see the
 README for the variables). Every server gets `SGLANG_DART_TREE_SIZES=1:8` unless the setting names it,
 so the tree size does not shrink with the batch.
 
-Greedy decoding is deterministic, so τ (emitted tokens / verify steps, summed over the benchmark's
-16 held-out prompts) does not depend on the machine's load the way tokens per second do: settings can
+`--prompts` names the held-out prompt sets (`benchmarks/bench_prompts.py`: `varied`, the default, and
+`code`); each setting's server answers every named set, and the table gives τ per set.
+
+Greedy decoding is deterministic, so τ (emitted tokens / verify steps, summed over a set's held-out
+prompts) does not depend on the machine's load the way tokens per second do: settings can
 be compared on a noisy VM. The speed a setting gives is τ over its step cost, which `throughput.py`
 measures.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from throughput import PROMPTS, _chat_ids, dart_parser  # noqa: E402
+from throughput import SETS, _chat_ids, dart_parser  # noqa: E402
 
 CONCURRENCY = 4  # requests in flight; τ does not depend on it under greedy decoding
 
@@ -48,32 +51,36 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-draft-tokens", type=int, default=16, help="the largest tree")
+    parser.add_argument("--prompts", nargs="+", choices=sorted(SETS), default=["varied"])
     parser.add_argument("settings", nargs="+", type=_setting, metavar="SETTING")
     args = parser.parse_args()
     stop_servers_on_sigterm()
 
     model = args.model or smollm2_dir()
-    prompts = _chat_ids(AutoTokenizer.from_pretrained(model), PROMPTS, len(PROMPTS))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt_sets = {name: _chat_ids(tokenizer, SETS[name], len(SETS[name])) for name in args.prompts}
     params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     server_args = [
         "--dtype", args.dtype, *dart_flags(args.draft, args.store),
         "--speculative-num-draft-tokens", str(args.num_draft_tokens),
     ]  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="dart-acceptance-"))
-    print(f"model {model.name} (--dtype {args.dtype}), {len(prompts)} prompts x {args.new_tokens} tokens, "
+    counts = ", ".join(f"{len(ids)} {name}" for name, ids in prompt_sets.items())
+    print(f"model {model.name} (--dtype {args.dtype}), prompts: {counts}; {args.new_tokens} tokens each, "
           f"greedy; logs in {logs}\n")  # fmt: skip
-    print("| setting | tokens | verify steps | tokens/step |\n|---|---|---|---|")
+    print("| setting | prompts | tokens | verify steps | tokens/step |\n|---|---|---|---|---|")
     for number, setting in enumerate(args.settings):
         env = {"SGLANG_DART_TREE_SIZES": "1:8", **setting}
         server = SglangServer(model, server_args, logs / f"setting-{number}.log", env=env).start()
+        label = ",".join(f"{k}={v}" for k, v in env.items())
         try:
-            outputs = server.generate_many(prompts, params, CONCURRENCY)
+            for name, prompts in prompt_sets.items():
+                outputs = server.generate_many(prompts, params, CONCURRENCY)
+                tokens = sum(len(out["output_ids"]) for out in outputs)
+                steps = sum(out["meta_info"]["spec_verify_ct"] for out in outputs)
+                print(f"| {label} | {name} | {tokens} | {steps} | {tokens / steps:.3f} |", flush=True)
         finally:
             server.stop()
-        tokens = sum(len(out["output_ids"]) for out in outputs)
-        steps = sum(out["meta_info"]["spec_verify_ct"] for out in outputs)
-        label = ",".join(f"{k}={v}" for k, v in env.items())
-        print(f"| {label} | {tokens} | {steps} | {tokens / steps:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
