@@ -1,15 +1,15 @@
 """Tokens per verify step (τ) of DART under several pruner settings, through the real SGLang server.
 
     .venv/bin/python benchmarks/acceptance.py --draft DRAFT_DIR --store STORE [--model DIR]
-        [--new-tokens 64] [--dtype float32] [--prompts varied [code]] SETTING [SETTING ...]
+        [--new-tokens 64] [--dtype float32] [--prompts varied[,code]] SETTING [SETTING ...]
 
 A SETTING is a comma-separated list of VAR=VALUE environment variables for one DART server, e.g.
 `SGLANG_DART_TREE_SIZES=1:8` or `SGLANG_DART_TREE_SIZES=1:16,SGLANG_DART_NGRAM_WEIGHT=0` (see the
 README for the variables). Every server gets `SGLANG_DART_TREE_SIZES=1:8` unless the setting names it,
 so the tree size does not shrink with the batch.
 
-`--prompts` names the held-out prompt sets (`benchmarks/bench_prompts.py`: `varied`, the default, and
-`code`); each setting's server answers every named set, and the table gives τ per set.
+`--prompts` names the held-out prompt sets, comma-separated (`benchmarks/bench_prompts.py`: `varied`, the
+default, and `code`); each setting's server answers every named set, and the table gives τ per set.
 
 Greedy decoding is deterministic, so τ (emitted tokens / verify steps, summed over a set's held-out
 prompts) does not depend on the machine's load the way tokens per second do: settings can
@@ -41,6 +41,14 @@ def _setting(text: str) -> dict[str, str]:
     return env
 
 
+def _prompt_sets(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in SETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown prompt set(s) {unknown}; known: {sorted(SETS)}")
+    return names
+
+
 def main() -> None:
     from transformers import AutoTokenizer
 
@@ -51,7 +59,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-draft-tokens", type=int, default=16, help="the largest tree")
-    parser.add_argument("--prompts", nargs="+", choices=sorted(SETS), default=["varied"])
+    parser.add_argument("--prompts", type=_prompt_sets, default=["varied"], help="varied, code or both")
     parser.add_argument("settings", nargs="+", type=_setting, metavar="SETTING")
     args = parser.parse_args()
     stop_servers_on_sigterm()
