@@ -139,17 +139,30 @@ def context_nodes(server_args: Any) -> int:
     value = os.environ.get(CONTEXT_NODES_ENV, _draft_config_json(server_args).get(CONTEXT_NODES_KEY))
     if value is None:
         return DEFAULT_CONTEXT_NODES
-    try:
-        nodes = int(value)
-    except (TypeError, ValueError):
-        nodes = -1
-    if nodes < 0:
+    nodes = _whole_count(value)
+    if nodes is None:
         raise DartArgsError(f"{CONTEXT_NODES_ENV} / {CONTEXT_NODES_KEY} = {value!r}: need an integer >= 0")
     return nodes
 
 
 def candidates_per_depth() -> int:
-    return int(os.environ.get(TOPK_ENV, DEFAULT_TOPK))
+    value = os.environ.get(TOPK_ENV, DEFAULT_TOPK)
+    topk = _whole_count(value)
+    if topk is None:
+        raise DartArgsError(f"{TOPK_ENV} = {value!r}: need an integer >= 1")
+    return topk
+
+
+def _whole_count(value: Any) -> int | None:
+    """An integer >= 0 from an environment string or a JSON value, else None. A JSON 2.5 or true is
+    refused rather than truncated to 2 or read as 1."""
+    if isinstance(value, bool) or isinstance(value, float):
+        return None
+    try:
+        count = int(str(value).strip())
+    except ValueError:
+        return None
+    return count if count >= 0 else None
 
 
 def validate_server_args(server_args: Any) -> None:

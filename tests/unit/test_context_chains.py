@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 from sglang_dart.dart.progress import RequestProgress
-from sglang_dart.dart.settings import DEFAULT_CONTEXT_NODES, DartArgsError, context_nodes
+from sglang_dart.dart.settings import (
+    DEFAULT_CONTEXT_NODES,
+    DartArgsError,
+    candidates_per_depth,
+    context_nodes,
+)
 from sglang_dart.pruner import ContextIndex, PrunerConfig, prune_batch
 from tests.unit.test_pruner import _assert_invariants, _softmax_rows
 
@@ -191,5 +196,18 @@ def test_chain_nodes_come_from_the_environment_or_the_drafter_config(tmp_path, m
         with pytest.raises(DartArgsError, match="SGLANG_DART_CONTEXT_NODES"):
             context_nodes(args)
     monkeypatch.delenv("SGLANG_DART_CONTEXT_NODES")
+    for bad_json in ("2.5", "true", '"x"', "-3"):  # never truncated or coerced
+        (tmp_path / "config.json").write_text(f'{{"dart_context_nodes": {bad_json}}}')
+        with pytest.raises(DartArgsError, match="dart_context_nodes"):
+            context_nodes(args)
     (tmp_path / "config.json").write_text("{}")
     assert context_nodes(args) == DEFAULT_CONTEXT_NODES
+
+
+def test_a_malformed_candidates_per_depth_is_named_not_a_traceback(monkeypatch):
+    monkeypatch.setenv("SGLANG_DART_TOPK", "6")
+    assert candidates_per_depth() == 6
+    for bad in ("six", "2.5", "-1"):
+        monkeypatch.setenv("SGLANG_DART_TOPK", bad)
+        with pytest.raises(DartArgsError, match="SGLANG_DART_TOPK"):
+            candidates_per_depth()
