@@ -15,8 +15,16 @@ j + 1. The draft model runner reads its own request table (`draft_table`, an SGL
 whose rows each step copies from the target's, shifted. The newest entry (its next token has no slot yet)
 and the mask slots are written to scratch slots past the end of the target's slot range (the draft pool is
 made larger by that much; the shared allocator never hands them out) and are never kept: each step
-recomputes them. A step that drafts nothing still stores its entries (`store_entries`), so a later draft
-finds every entry of its prefix in place.
+recomputes them.
+
+A step that drafts nothing (a root-only step) stores its tokens' residuals, which need the step's taps,
+but defers their entries' K/V (`pending`): the next step that drafts recomputes them along with its own,
+in the same batched forward, or a flush stores them once some request has `FLUSH_GAP` of them (so a
+long run of root-only steps costs one small projection per `FLUSH_GAP` steps instead of one per step:
+py-spy put the per-step store at 1% of a batch-16 float32 step on a 2-core EPYC). A request can finish
+with entries still pending, leaving stale K/V in slots the radix cache keeps; so a prefill recomputes the
+`FLUSH_GAP` entries before its cached prefix too, from the residuals that are always stored. Stale K/V
+can only make drafts worse, never change what the target accepts.
 
 Device contract: row layouts are computed on the host from the callers' Python lists and uploaded in one
 tensor (non-blocking where the memory allows); nothing is read back from the device.
@@ -37,7 +45,7 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 
 from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart.phase_timer import PhaseTimer
-from sglang_dart.dart.progress import RequestProgress
+from sglang_dart.dart.progress import KEPT_TOKENS, RequestProgress
 from sglang_dart.dart.trees import Trees
 from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 
@@ -106,7 +114,7 @@ class DraftForward:
             return
         positions_d, tokens_d = upload(torch.tensor([positions, tokens], dtype=torch.int64), self.device)
         residual = self.residual[self.slots_of(rows, first, [b - 1 for b in last])]
-        _, k, v = self.drafter.project_qkv(self.drafter.real_inputs(residual, tokens_d), positions_d)
+        k, v = self.drafter.project_kv(self.drafter.real_inputs(residual, tokens_d), positions_d)
         slots = self.slots_of(rows, [a + 1 for a in first], last)  # entry t lives in the slot of t + 1
         pool = self.draft_runner.token_to_kv_pool
         pool.set_kv_buffer(self.model.attn, KVWriteLoc(slots, None), k, v)
@@ -251,6 +259,12 @@ def request_rows(batch: Any) -> list[int]:
     return rows.numpy().tolist()  # a host tensor: no device read
 
 
+# Entries a request may defer before they are stored: well inside the tokens `RequestProgress` keeps
+# (KEPT_TOKENS), which supply their next tokens when they are computed.
+FLUSH_GAP = 32
+assert FLUSH_GAP + 17 < KEPT_TOKENS  # plus the largest tree's accepted tokens
+
+
 class Drafting:
     def __init__(
         self, forward: DraftForward, trees: Trees, progress: RequestProgress, timer: PhaseTimer
@@ -259,6 +273,7 @@ class Drafting:
         self.trees = trees
         self.progress = progress
         self.timer = timer
+        self.pending: dict[str, int] = {}  # rid -> its first entry whose K/V is not stored
 
     def after_extend(self, batch: Any, taps: torch.Tensor, sampled: torch.Tensor) -> None:
         """Draft from a prefill: every extended token's residual is stored, then one draft step per request
@@ -275,7 +290,9 @@ class Drafting:
             seq = list(req.origin_input_ids) + list(req.output_ids)
             after = seq[end] if end < len(seq) else sampled_ids[i]  # next prompt token, or the first output
             tail = seq[:end] + [after]
-            first = max(prefix - 1, 0)
+            # From FLUSH_GAP entries before the cached prefix: ones a finished request left pending there.
+            first = max(prefix - 1 - FLUSH_GAP, 0) if prefix else 0
+            self.pending.pop(req.rid, None)
             firsts.append(first)
             lasts.append(end - 1)
             nexts.extend(tail[first + 1 : end + 1])
@@ -297,35 +314,45 @@ class Drafting:
         depths: int | None,
     ) -> float:
         """Store the draft state of the tokens a step committed and, when the next step builds trees
-        (`depths`: how deep they can reach), draft from them; returns the seconds drafting took. Each
-        request's progress advances past the step. drafts: the verified tokens (flat);
-        accept_rows[i][: lens[i]]: request i's accepted rows of them, root first;
-        predicted: the target's token after each row. The per-request walk runs on host lists (a tensor
-        op per request would cost more than a root-only step saves at large batches)."""
+        (`depths`: how deep they can reach), draft from them, along with any entries earlier root-only
+        steps deferred; returns the seconds drafting took. Each request's progress advances past the step.
+        drafts: the verified tokens (flat); accept_rows[i][: lens[i]]: request i's accepted rows of them,
+        root first; predicted: the target's token after each row. The per-request walk runs on host
+        lists (a tensor op per request would cost more than a root-only step saves at large batches)."""
         runner = self.forward
         rows = request_rows(batch)
         firsts, lasts, nexts, paths, slot_rows, slot_cols = [], [], [], [], [], []
+        pending: dict[str, int] = {}  # requests that left the batch have nothing left to store
         for i, (req, row) in enumerate(zip(batch.reqs, rows, strict=True)):
-            committed = self.progress.of(req).committed  # the root's position
+            now = self.progress.of(req)
+            committed = now.committed  # the root's position
             path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
             paths.extend(path)
             slot_rows.extend([row] * len(path))
             slot_cols.extend(range(committed, committed + len(path)))
             new_tokens = [drafts[j] for j in path]
             bonus = predicted[path[-1]]
-            firsts.append(committed - 1)
+            first = self.pending.get(req.rid, committed - 1)
+            pending[req.rid] = first
+            firsts.append(first)
             lasts.append(committed + len(path) - 1)
-            nexts.extend(new_tokens + [bonus])
+            # The next token of each deferred entry: positions first + 1 .. committed - 1, held in `recent`
+            # (the root, at `committed`, is its last token).
+            deferred = now.recent[len(now.recent) - (committed - first) : -1] if committed - first > 1 else ()
+            nexts.extend([*deferred, *new_tokens, bonus])
             self.progress.advance(req, new_tokens[1:] + [bonus])
         index = upload(torch.tensor([slot_rows, slot_cols, paths], dtype=torch.int64), taps.device)
         slots = runner.req_to_token[index[0], index[1]].to(torch.int64)
+        flush = depths is None and max(b - a for a, b in zip(firsts, lasts, strict=True)) >= FLUSH_GAP
         with self.timer.phase("draft"):
             runner.store_residuals(slots, taps[index[2]])  # one write
             drafting_from = time.perf_counter()
             if depths is not None:
                 logits = runner.step(rows, firsts, lasts, nexts, depths)
-            else:
+            elif flush:
                 runner.store_entries(rows, firsts, lasts, nexts)
+        # After a draft or a flush every entry but the newest is stored; else the step's are deferred too.
+        self.pending = pending if depths is None and not flush else {}
         if depths is None:
             self.trees.drop(batch.reqs)
             return 0.0

@@ -14,8 +14,9 @@ of a step verify the same number of tokens, at most `--speculative-num-draft-tok
 ancestor mask, on SGLang's NGRAM verify path (DART reports `is_ngram()`), whose result processing reads
 the stride from each step's result.
 At size 1 a step verifies the root alone: it runs as SGLang's own decode forward and sampler (or as a
-size-1 verify with decode graphs, logprobs or a grammar) and skips the draft forward; the draft K/V of the
-accepted tokens is still stored, so drafting can resume at any later step.
+size-1 verify with decode graphs, logprobs or a grammar) and skips the draft forward; the residuals of the
+accepted tokens are still stored (their draft K/V is deferred, `drafting.py`), so drafting can resume at
+any later step.
 
 The step's phases live apart: `trees.py` (candidates, the pruner call, the verify input), `drafting.py`
 (the draft forward through SGLang's draft model runner); this module orchestrates them, verifies and

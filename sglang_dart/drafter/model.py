@@ -130,6 +130,14 @@ class DartDrafter(nn.Module):
         v = attn.v_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
         return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta), v
 
+    def project_kv(self, attn_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE'd k and v [T, kv_heads, hd] alone: entries that are stored, never attended from."""
+        cfg, attn = self.cfg, self.midlayer.self_attn
+        n = attn_in.shape[0]
+        k = attn.k_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
+        v = attn.v_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
+        return apply_rope(k, positions, cfg.rope_theta), v
+
     def head(self, residual: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Logits of the rows that need them: o_proj + residual, MLP, final norm (twice), lm_head."""
         layer, eps = self.midlayer, self.cfg.rms_norm_eps

@@ -162,6 +162,17 @@ def test_published_layout_matches_independent_reference(tmp_path):
     torch.testing.assert_close(step.logits.double(), ref2, atol=1e-4, rtol=1e-4)
 
 
+def test_key_value_projection_alone_matches_the_full_one(tmp_path):
+    """Entries that are only stored skip the query projection; their K/V must be the full one's."""
+    drafter = load_drafter(_write_checkpoint(tmp_path), _embedding(), H, V, dtype=torch.float32)
+    attn_in = torch.randn(5, 2 * H, generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([0, 3, 4, 17, 300])
+    _, k_full, v_full = drafter.project_qkv(attn_in, positions)
+    k, v = drafter.project_kv(attn_in, positions)
+    torch.testing.assert_close(k, k_full, rtol=0, atol=0)
+    torch.testing.assert_close(v, v_full, rtol=0, atol=0)
+
+
 def test_d2t_maps_draft_ids_to_target_ids(tmp_path):
     ckpt = _write_checkpoint(tmp_path / "draft")
     drafter = load_drafter(ckpt, _embedding(), H, V)

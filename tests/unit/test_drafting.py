@@ -209,3 +209,114 @@ def test_sglang_model_loads_the_published_layout_and_refuses_what_does_not_fit(t
         model.attach_target(torch.zeros(V, H + 1), H + 1, V)
     with pytest.raises(DraftConfigError, match="vocab"):
         model.attach_target(torch.zeros(V + 1, H), H, V + 1)
+
+
+class _KeptTrees:
+    """Records what drafting hands the trees (the candidates' logits), in place of `Trees`."""
+
+    def __init__(self) -> None:
+        self.logits: torch.Tensor | None = None
+
+    def keep(self, reqs: Any, logits: torch.Tensor, progress: Any) -> None:
+        self.logits = logits
+
+    def drop(self, reqs: Any) -> None:
+        self.logits = None
+
+
+def _drafting_over_one_row(tmp_path, max_len: int, seed: int):
+    from sglang_dart.dart.drafting import Drafting
+    from sglang_dart.dart.phase_timer import PhaseTimer
+    from sglang_dart.dart.progress import RequestProgress
+
+    path = _write_checkpoint(tmp_path / "draft")
+    drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 2 * max_len + 10
+    req_to_token = torch.zeros(3, max_len, dtype=torch.int32)
+    req_to_token[0] = (torch.randperm(num_slots - 1, generator=gen)[:max_len] + 1).to(torch.int32)
+    runner = _draft_forward(path, req_to_token, num_slots)
+    trees = _KeptTrees()
+    drafting = Drafting(runner, trees, RequestProgress(), PhaseTimer(enabled=False))
+    tokens = torch.randint(0, V, (max_len + 1,), generator=gen).tolist()
+    aux = torch.randn(max_len, 3 * H, generator=gen)
+    return drafter, drafting, trees, req_to_token, tokens, aux
+
+
+def _prefill(drafting, req, row: int, tokens, aux, prefix: int, end: int) -> None:
+    """Drafting's prefill of tokens prefix..end-1 (the first `prefix` cached), as a batch of one."""
+    from types import SimpleNamespace
+
+    req.origin_input_ids, req.output_ids = tokens[:end], []
+    batch = SimpleNamespace(
+        reqs=[req], req_pool_indices_cpu=torch.tensor([row]), prefix_lens=[prefix], extend_lens=[end - prefix]
+    )
+    drafting.after_extend(batch, aux[prefix:end], torch.tensor([tokens[end]]))
+
+
+def _verify_step(drafting, req, row: int, tokens, aux, committed: int, accepted: int, depths):
+    """One verify of a batch of one whose root and `accepted` drafts all match `tokens`."""
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(reqs=[req], req_pool_indices_cpu=torch.tensor([row]))
+    rows = list(range(accepted + 1))
+    drafts = tokens[committed : committed + accepted + 1]
+    predicted = tokens[committed + 1 : committed + accepted + 2]
+    taps = aux[committed : committed + accepted + 1]
+    drafting.after_verify(batch, taps, drafts, [rows], [accepted + 1], predicted, depths)
+    return committed + accepted + 1
+
+
+def test_root_only_steps_defer_entries_and_the_next_draft_is_exact(tmp_path):
+    """Root-only steps store residuals and defer their entries' K/V; a flush stores them once a request
+    has FLUSH_GAP of them, and the next drafting step computes the rest: its drafts are the single-request
+    drafter's, as if every entry had been stored when its step ran."""
+    from types import SimpleNamespace
+
+    from sglang_dart.dart.drafting import FLUSH_GAP
+
+    max_len = FLUSH_GAP + 30
+    drafter, drafting, trees, _, tokens, aux = _drafting_over_one_row(tmp_path, max_len, seed=21)
+    req = SimpleNamespace(rid="a")
+    prompt = 6
+    _prefill(drafting, req, 0, tokens, aux, 0, prompt)
+    committed = prompt
+    for step in range(FLUSH_GAP + 5):
+        committed = _verify_step(drafting, req, 0, tokens, aux, committed, 0, None)
+        stored_from = drafting.pending.get("a")
+        if step + 1 < FLUSH_GAP:
+            assert stored_from == prompt - 1  # deferred since the prefill's newest entry
+        elif step + 1 == FLUSH_GAP:
+            assert stored_from is None  # flushed
+    assert drafting.pending == {"a": prompt - 1 + FLUSH_GAP}
+    committed = _verify_step(drafting, req, 0, tokens, aux, committed, 2, depths=3)
+    assert drafting.pending == {}
+    with torch.no_grad():
+        expected = drafter(aux[:committed], torch.tensor(tokens[1 : committed + 1]), start_pos=0).logits
+    torch.testing.assert_close(trees.logits[0], expected[:3], atol=1e-4, rtol=1e-4)
+
+
+def test_a_prefill_over_a_prefix_left_with_deferred_entries_drafts_exactly(tmp_path):
+    """A request that finishes with entries still deferred leaves stale K/V in slots the radix cache
+    keeps; a later request whose cached prefix ends there recomputes them at its prefill."""
+    from types import SimpleNamespace
+
+    drafter, drafting, trees, req_to_token, tokens, aux = _drafting_over_one_row(tmp_path, 40, seed=4)
+    first = SimpleNamespace(rid="first")
+    _prefill(drafting, first, 0, tokens, aux, 0, 8)
+    committed = 8
+    for _ in range(9):
+        committed = _verify_step(drafting, first, 0, tokens, aux, committed, 0, None)
+    assert drafting.pending == {"first": 7}  # finished with 9 entries deferred
+    # Poison the deferred entries' K/V, as a freed slot's reuse would: the recompute must overwrite them.
+    pool = drafting.forward.draft_runner.token_to_kv_pool
+    stale = req_to_token[0, 8 : committed + 1].long()
+    pool.k_buffer[0][stale] = 7.0
+    pool.v_buffer[0][stale] = -7.0
+    req_to_token[1] = req_to_token[0]  # the second request's prefix shares the first's slots
+    second = SimpleNamespace(rid="second")
+    end = committed + 4
+    _prefill(drafting, second, 1, tokens, aux, committed, end)
+    with torch.no_grad():
+        expected = drafter(aux[:end], torch.tensor(tokens[1 : end + 1]), start_pos=0).logits
+    torch.testing.assert_close(trees.logits[0], expected, atol=1e-4, rtol=1e-4)
