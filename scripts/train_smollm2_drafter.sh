@@ -8,6 +8,8 @@
 # The prompts: the built-in synthetic pool (~860), MAGPIE (default 2800) user turns the target writes itself
 # under its default system prompt (chat), and MAGPIE_CODE (default 1400) written under a coding assistant's
 # system prompt (code questions): about 5,000 answers, some 2 hours of generation on a 2-core VM.
+# The answers committed in COMMITTED (default data/smollm2-answers, *.jsonl.gz: made by the same tools,
+# see its README) join them, one answer per prompt; MAGPIE=0 MAGPIE_CODE=0 trains on those alone.
 # DTYPE (default bfloat16) is the target dtype of generation and training; use the dtype you will serve in
 # (float32 on CPUs without bf16 matrix instructions, where it is several times faster). TRAIN_MINUTES
 # (default 60) and MAX_STEPS (default 3000) bound training, whichever ends first; CONCURRENCY (default 32)
@@ -22,6 +24,7 @@ MAX_STEPS=${MAX_STEPS:-3000}
 CONCURRENCY=${CONCURRENCY:-32}
 MAGPIE=${MAGPIE:-2800}
 MAGPIE_CODE=${MAGPIE_CODE:-1400}
+COMMITTED=${COMMITTED:-data/smollm2-answers}
 CODE_SYSTEM="You are an expert programming assistant. Users ask you to write, complete, fix, explain and \
 review code in Python, JavaScript, TypeScript, C, C++, Rust, Go, Java, SQL and shell scripts."
 PY=.venv/bin/python
@@ -34,14 +37,19 @@ generate=($PY -m sglang_dart.train.generate --target "$target" --dtype "$DTYPE" 
 
 if [ ! -s "$OUT/answers.jsonl" ]; then
   "${generate[@]}" --out "$OUT/answers-chat.jsonl" --magpie "$MAGPIE"
-  "${generate[@]}" --out "$OUT/answers-code.jsonl" --num-prompts 0 --magpie "$MAGPIE_CODE" \
-    --magpie-system "$CODE_SYSTEM"
-  # One answer per prompt: a user turn both runs happened to write is kept once.
-  $PY - "$OUT/answers.jsonl" "$OUT/answers-chat.jsonl" "$OUT/answers-code.jsonl" <<'PYEOF'
-import json, sys
-seen, kept = set(), []
-for path in sys.argv[2:]:
-    for line in open(path):
+  if [ "$MAGPIE_CODE" -gt 0 ]; then
+    "${generate[@]}" --out "$OUT/answers-code.jsonl" --num-prompts 0 --magpie "$MAGPIE_CODE" \
+      --magpie-system "$CODE_SYSTEM"
+  fi
+  shopt -s nullglob
+  # One answer per prompt: a user turn two runs happened to write is kept once. Committed answers are
+  # checked against today's benchmark prompts too (the set may have grown since they were made).
+  $PY - "$OUT/answers.jsonl" "$OUT/bench_prompts.txt" "$COMMITTED"/*.jsonl.gz "$OUT/answers-chat.jsonl" \
+    "$OUT/answers-code.jsonl" <<'PYEOF'
+import gzip, json, os, sys
+seen, kept = set(open(sys.argv[2]).read().splitlines()), []
+for path in filter(os.path.exists, sys.argv[3:]):
+    for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path)):
         prompt = json.loads(line)["prompt"]
         if prompt not in seen:
             seen.add(prompt)

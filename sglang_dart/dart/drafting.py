@@ -19,12 +19,12 @@ recomputes them.
 
 A step that drafts nothing (a root-only step) stores its tokens' residuals, which need the step's taps,
 but defers their entries' K/V (`pending`): the next step that drafts recomputes them along with its own,
-in the same batched forward, or a flush stores them once some request has `FLUSH_GAP` of them (so a
-long run of root-only steps costs one small projection per `FLUSH_GAP` steps instead of one per step:
-py-spy put the per-step store at 1% of a batch-16 float32 step on a 2-core EPYC). A request can finish
-with entries still pending, leaving stale K/V in slots the radix cache keeps; so a prefill recomputes the
-`FLUSH_GAP` entries before its cached prefix too, from the residuals that are always stored. Stale K/V
-can only make drafts worse, never change what the target accepts.
+in the same batched forward, or a flush stores them once some request has `FLUSH_GAP` of them. So a long
+run of root-only steps costs one small projection per `FLUSH_GAP` steps instead of one per step: py-spy
+put the per-step store at 1% of a batch-16 float32 step on a 2-core EPYC, 0.2% deferred. A request can
+finish with entries still pending, leaving stale K/V in slots the radix cache keeps; so a prefill
+recomputes the `FLUSH_GAP` entries before its cached prefix too, from the residuals that are always
+stored. Stale K/V can only make drafts worse, never change what the target accepts.
 
 Device contract: row layouts are computed on the host from the callers' Python lists and uploaded in one
 tensor (non-blocking where the memory allows); nothing is read back from the device.
@@ -259,10 +259,11 @@ def request_rows(batch: Any) -> list[int]:
     return rows.numpy().tolist()  # a host tensor: no device read
 
 
-# Entries a request may defer before they are stored: well inside the tokens `RequestProgress` keeps
-# (KEPT_TOKENS), which supply their next tokens when they are computed.
-FLUSH_GAP = 32
-assert FLUSH_GAP + 17 < KEPT_TOKENS  # plus the largest tree's accepted tokens
+# Entries a request may defer before they are stored. Their next tokens come from the tokens
+# `RequestProgress` keeps (KEPT_TOKENS) when they are computed. A prefill recomputes as many before its cached
+# prefix (32 cost more there than the flushes they saved, py-spy at batch 16).
+FLUSH_GAP = 16
+assert FLUSH_GAP <= KEPT_TOKENS
 
 
 class Drafting:
