@@ -344,7 +344,8 @@ class Drafting:
             self.progress.advance(req, new_tokens[1:] + [bonus])
         index = upload(torch.tensor([slot_rows, slot_cols, paths], dtype=torch.int64), taps.device)
         slots = runner.req_to_token[index[0], index[1]].to(torch.int64)
-        flush = depths is None and max(b - a for a, b in zip(firsts, lasts, strict=True)) >= FLUSH_GAP
+        gaps = [b - a for a, b in zip(firsts, lasts, strict=True)]
+        flush = depths is None and max(gaps, default=0) >= FLUSH_GAP
         with self.timer.phase("draft"):
             runner.store_residuals(slots, taps[index[2]])  # one write
             drafting_from = time.perf_counter()
