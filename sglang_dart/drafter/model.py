@@ -123,12 +123,9 @@ class DartDrafter(nn.Module):
         self, attn_in: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RoPE'd q [T, heads, hd], k and v [T, kv_heads, hd]."""
-        cfg, attn = self.cfg, self.midlayer.self_attn
-        n = attn_in.shape[0]
-        q = attn.q_proj(attn_in).view(n, cfg.num_attention_heads, cfg.head_dim)
-        k = attn.k_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
-        v = attn.v_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
-        return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta), v
+        cfg, n = self.cfg, attn_in.shape[0]
+        q = self.midlayer.self_attn.q_proj(attn_in).view(n, cfg.num_attention_heads, cfg.head_dim)
+        return (apply_rope(q, positions, cfg.rope_theta), *self.project_kv(attn_in, positions))
 
     def project_kv(self, attn_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE'd k and v [T, kv_heads, hd] alone: entries that are stored, never attended from."""

@@ -4,6 +4,7 @@ drafter's logits, step after step."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,6 +12,9 @@ import torch
 from transformers import LlamaConfig
 
 from sglang_dart.cpu.attention import TreeVerifyCpuAttnBackend
+from sglang_dart.dart.drafting import FLUSH_GAP, Drafting
+from sglang_dart.dart.phase_timer import PhaseTimer
+from sglang_dart.dart.progress import RequestProgress
 from sglang_dart.drafter import DraftConfigError, load_drafter
 from sglang_dart.drafter.model import read_weights
 from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
@@ -225,10 +229,6 @@ class _KeptTrees:
 
 
 def _drafting_over_one_row(tmp_path, max_len: int, seed: int):
-    from sglang_dart.dart.drafting import Drafting
-    from sglang_dart.dart.phase_timer import PhaseTimer
-    from sglang_dart.dart.progress import RequestProgress
-
     path = _write_checkpoint(tmp_path / "draft")
     drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
@@ -245,8 +245,6 @@ def _drafting_over_one_row(tmp_path, max_len: int, seed: int):
 
 def _prefill(drafting, req, row: int, tokens, aux, prefix: int, end: int) -> None:
     """Drafting's prefill of tokens prefix..end-1 (the first `prefix` cached), as a batch of one."""
-    from types import SimpleNamespace
-
     req.origin_input_ids, req.output_ids = tokens[:end], []
     batch = SimpleNamespace(
         reqs=[req], req_pool_indices_cpu=torch.tensor([row]), prefix_lens=[prefix], extend_lens=[end - prefix]
@@ -256,8 +254,6 @@ def _prefill(drafting, req, row: int, tokens, aux, prefix: int, end: int) -> Non
 
 def _verify_step(drafting, req, row: int, tokens, aux, committed: int, accepted: int, depths):
     """One verify of a batch of one whose root and `accepted` drafts all match `tokens`."""
-    from types import SimpleNamespace
-
     batch = SimpleNamespace(reqs=[req], req_pool_indices_cpu=torch.tensor([row]))
     rows = list(range(accepted + 1))
     drafts = tokens[committed : committed + accepted + 1]
@@ -271,10 +267,6 @@ def test_root_only_steps_defer_entries_and_the_next_draft_is_exact(tmp_path):
     """Root-only steps store residuals and defer their entries' K/V; a flush stores them once a request
     has FLUSH_GAP of them, and the next drafting step computes the rest: its drafts are the single-request
     drafter's, as if every entry had been stored when its step ran."""
-    from types import SimpleNamespace
-
-    from sglang_dart.dart.drafting import FLUSH_GAP
-
     max_len = FLUSH_GAP + 30
     drafter, drafting, trees, _, tokens, aux = _drafting_over_one_row(tmp_path, max_len, seed=21)
     req = SimpleNamespace(rid="a")
@@ -299,8 +291,6 @@ def test_root_only_steps_defer_entries_and_the_next_draft_is_exact(tmp_path):
 def test_a_prefill_over_a_prefix_left_with_deferred_entries_drafts_exactly(tmp_path):
     """A request that finishes with entries still deferred leaves stale K/V in slots the radix cache
     keeps; a later request whose cached prefix ends there recomputes them at its prefill."""
-    from types import SimpleNamespace
-
     drafter, drafting, trees, req_to_token, tokens, aux = _drafting_over_one_row(tmp_path, 40, seed=4)
     first = SimpleNamespace(rid="first")
     _prefill(drafting, first, 0, tokens, aux, 0, 8)
