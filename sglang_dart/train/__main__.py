@@ -75,6 +75,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequences-per-step", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--row-decay", type=float, default=0.8, help="loss weight gamma^row")
+    p.add_argument(
+        "--soft-weight",
+        type=float,
+        default=0.0,
+        help="share of DART's loss against the target's top-16 distribution instead of its argmax alone",
+    )
     p.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast on CPU)")
     p.add_argument(
         "--target-dtype",

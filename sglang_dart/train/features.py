@@ -2,7 +2,9 @@
 
 The taps are the hidden states entering target layers 2, L//2 and L-3 (what SGLang's EAGLE3 capture hands
 the drafter at serving time; `hidden_states[i]` in HF is the input of layer i). The label at position q is
-the target's argmax there, i.e. the token greedy verification accepts after position q.
+the target's argmax there, i.e. the token greedy verification accepts after position q. Beside it: the
+target's K most likely tokens there and their probabilities (its distribution, truncated), soft labels
+that tell the drafter what else the target found likely, not only which token won.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ class SequenceFeatures:
     input_ids: torch.Tensor  # [T]
     taps: torch.Tensor  # [T, 3·H]
     labels: torch.Tensor  # [T] target argmax at each position (predicts the token after it)
+    soft_ids: torch.Tensor | None = None  # [T, K] the target's K most likely tokens there
+    soft_probs: torch.Tensor | None = None  # [T, K] their probabilities (bf16)
+
+
+# Soft labels kept per position: 96 bytes a position, under 3% of the taps of a 576-wide target.
+SOFT_LABELS = 16
 
 
 def load_target(target_dir: Path | str, dtype: torch.dtype | None = None):
@@ -32,18 +40,25 @@ def load_target(target_dir: Path | str, dtype: torch.dtype | None = None):
 
 
 @torch.inference_mode()
-def sequence_features(target, input_ids: list[int]) -> SequenceFeatures:
+def sequence_features(target, input_ids: list[int], soft_labels: int = SOFT_LABELS) -> SequenceFeatures:
     ids = torch.tensor([input_ids], dtype=torch.long)
     out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
     layers = tap_layers(target.config.num_hidden_layers)
     taps = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
-    return SequenceFeatures(ids[0], taps.to(torch.bfloat16), out.logits[0].argmax(-1))
+    logits = out.logits[0]
+    soft_ids = soft_probs = None
+    if soft_labels > 0:
+        top = torch.softmax(logits.float(), dim=-1).topk(min(soft_labels, logits.shape[-1]), dim=-1)
+        soft_ids, soft_probs = top.indices.to(torch.int32), top.values.to(torch.bfloat16)
+    return SequenceFeatures(ids[0], taps.to(torch.bfloat16), logits.argmax(-1), soft_ids, soft_probs)
 
 
-def collect_features(target, sequences: list[list[int]], progress: bool = True) -> list[SequenceFeatures]:
+def collect_features(
+    target, sequences: list[list[int]], progress: bool = True, soft_labels: int = SOFT_LABELS
+) -> list[SequenceFeatures]:
     feats = []
     for i, ids in enumerate(sequences):
-        feats.append(sequence_features(target, ids))
+        feats.append(sequence_features(target, ids, soft_labels))
         if progress and (i + 1) % 50 == 0:
             print(f"features: {i + 1}/{len(sequences)} sequences", flush=True)
     return feats

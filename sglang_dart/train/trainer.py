@@ -1,6 +1,7 @@
 """The training loop: anchor blocks sampled from the target's own sequences, cross-entropy of every draft
-row against the target's greedy choice, rows weighted by gamma^row (deeper rows matter less: a node at
-depth j is only reached if every row before it was accepted)."""
+row against the target's greedy choice, mixed with cross-entropy against the target's own (top-K)
+distribution where the features carry it (`soft_weight`), rows weighted by gamma^row (deeper rows matter
+less: a node at depth j is only reached if every row before it was accepted)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class TrainSettings:
     max_steps: int = 2000
     max_seconds: float = math.inf
     row_decay: float = 0.8  # gamma
+    soft_weight: float = 0.0  # share of the loss against the target's distribution (0: its argmax only)
     grad_clip: float = 1.0
     bf16_autocast: bool = True
     seed: int = 0
@@ -61,11 +63,25 @@ class SequenceLoss:
     stats: RowStats
 
 
+def soft_cross_entropy(logits: torch.Tensor, draft_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Per row of logits [n, Vd]: cross-entropy against the target's top-K distribution (draft ids [n, K],
+    -1 outside the draft vocabulary), renormalized over the tokens the draft vocabulary has."""
+    probs = torch.where(draft_ids >= 0, probs.float(), 0.0)
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-6)
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_ids.clamp(min=0))
+    return -(probs * log_q).sum(-1)
+
+
 def sequence_loss(
-    model: DartDrafter, feats: SequenceFeatures, vocab: DraftVocab, anchors: torch.Tensor, row_decay: float
+    model: DartDrafter,
+    feats: SequenceFeatures,
+    vocab: DraftVocab,
+    anchors: torch.Tensor,
+    row_decay: float,
+    soft_weight: float = 0.0,
 ) -> SequenceLoss:
     """Real position t (t < T-1) carries (taps_t, x_{t+1}); row i of the anchor at p is supervised by the
-    target's argmax at position p+1+i."""
+    target's argmax at position p+1+i (and, with `soft_weight`, by its distribution there)."""
     d = model.cfg.draft_length
     num_real = feats.input_ids.shape[0] - 1
     taps = feats.taps[:num_real].to(model.fc.weight.dtype)
@@ -74,17 +90,26 @@ def sequence_loss(
     stats = RowStats()
     weighted, weights = [], []
     row0_labels = labels[1 : num_real + 1]
-    rows = [(out.real, row0_labels)]
     label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1)  # [A, d]
     valid = label_index < labels.shape[0]
-    mask_labels = torch.where(valid, labels[label_index.clamp(max=labels.shape[0] - 1)], -100)
-    rows += [(out.masks[:, j], mask_labels[:, j]) for j in range(d)]
+    clamped = label_index.clamp(max=labels.shape[0] - 1)
+    mask_labels = torch.where(valid, labels[clamped], -100)
+    # Each row's positions: row 0 at every real position, row j of every anchor at p+1+j.
+    positions = [torch.arange(1, num_real + 1)] + [clamped[:, j] for j in range(d)]
+    rows = [(out.real, row0_labels)] + [(out.masks[:, j], mask_labels[:, j]) for j in range(d)]
+    soft = soft_weight > 0 and feats.soft_ids is not None and feats.soft_probs is not None
     for row, (logits, target) in enumerate(rows):
         keep = target >= 0
         if not bool(keep.any()):
             continue
         logits, target = logits[keep].float(), target[keep]
-        weighted.append(nn.functional.cross_entropy(logits, target) * row_decay**row)
+        loss = nn.functional.cross_entropy(logits, target)
+        if soft:
+            at = positions[row][keep]
+            draft_ids = vocab.t2d[feats.soft_ids[at].long()]
+            soft_loss = soft_cross_entropy(logits, draft_ids, feats.soft_probs[at]).mean()
+            loss = (1 - soft_weight) * loss + soft_weight * soft_loss
+        weighted.append(loss * row_decay**row)
         weights.append(row_decay**row)
         stats.add(row, int((logits.argmax(-1) == target).sum()), int(target.shape[0]))
     if not weighted:  # every label fell outside the draft vocabulary: nothing to learn here
@@ -226,7 +251,7 @@ def train(
 
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
         anchors = sample_anchors(feats.input_ids.shape[0] - 1, settings.anchors_per_sequence, rng)
-        result = sequence_loss(model, feats, vocab, anchors, settings.row_decay)
+        result = sequence_loss(model, feats, vocab, anchors, settings.row_decay, settings.soft_weight)
         return result.loss, result.stats
 
     return fit(model, usable, settings, sequence_step, log)

@@ -13,8 +13,14 @@ from sglang_dart.drafter import load_drafter
 from sglang_dart.train.blocks import block_attention_mask, block_logits
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
 from sglang_dart.train.estimate import _leading_hits, estimate_acceptance, split_holdout
-from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import TrainSettings, progress_line, sequence_loss, train
+from sglang_dart.train.features import SequenceFeatures, sequence_features
+from sglang_dart.train.trainer import (
+    TrainSettings,
+    progress_line,
+    sequence_loss,
+    soft_cross_entropy,
+    train,
+)
 from sglang_dart.train.vocab import most_frequent_vocab
 
 TARGET = {
@@ -140,6 +146,69 @@ def test_degenerate_data_fails_clearly_or_contributes_nothing():
     feats = SequenceFeatures(torch.tensor([1, 2, 3, 4]), torch.zeros(4, 96), torch.full((4,), outside))
     result = sequence_loss(model, feats, vocab, torch.tensor([0, 1]), 0.8)
     assert float(result.loss.detach()) == 0.0 and result.stats.total == []
+
+
+# --- soft labels -----------------------------------------------------------------------------------------
+
+
+def test_soft_cross_entropy_of_a_one_hot_distribution_is_the_hard_one():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([3, 0, 29, 7, 7])
+    ids = torch.stack([labels, (labels + 1) % 30, (labels + 2) % 30], dim=1)
+    probs = torch.tensor([[1.0, 0.0, 0.0]] * 5)
+    hard = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    torch.testing.assert_close(soft_cross_entropy(logits, ids, probs), hard)
+
+
+def test_soft_cross_entropy_renormalizes_over_the_draft_vocabulary():
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(1))
+    log_q = torch.log_softmax(logits, -1)[0]
+    # 0.5 of the mass on a token the draft vocabulary lacks (-1): the rest counts as the whole
+    got = soft_cross_entropy(logits, torch.tensor([[4, -1, 9]]), torch.tensor([[0.3, 0.5, 0.2]]))
+    torch.testing.assert_close(got, -(0.6 * log_q[4] + 0.4 * log_q[9]).unsqueeze(0))
+
+
+def _with_soft_labels(feats: SequenceFeatures, probs: list[float], others: torch.Tensor) -> SequenceFeatures:
+    """The features with soft labels whose most likely token is the argmax label, then `others`."""
+    ids = torch.cat([feats.labels.unsqueeze(1), others[: feats.labels.shape[0]]], dim=1).to(torch.int32)
+    soft = torch.tensor(probs).expand(ids.shape[0], -1).to(torch.bfloat16)
+    return SequenceFeatures(feats.input_ids, feats.taps, feats.labels, ids, soft)
+
+
+def test_soft_labels_line_up_with_every_rows_hard_label():
+    """One-hot soft labels give exactly the hard loss: each row reads the soft labels of the position its
+    hard label comes from (a shifted position would read another token and change the loss)."""
+    model, _, vocab = _drafter()
+    feats = _copy_task(count=1, length=24, seed=3)[0]
+    others = torch.randint(0, 50, (24, 2), generator=torch.Generator().manual_seed(4))
+    one_hot = _with_soft_labels(feats, [1.0, 0.0, 0.0], others)
+    anchors = torch.tensor([0, 5, 20])
+    with torch.no_grad():
+        hard = sequence_loss(model, feats, vocab, anchors, 0.8).loss
+        soft = sequence_loss(model, one_hot, vocab, anchors, 0.8, soft_weight=1.0).loss
+        spread = sequence_loss(
+            model, _with_soft_labels(feats, [0.5, 0.3, 0.2], others), vocab, anchors, 0.8, soft_weight=1.0
+        ).loss
+        ignored = sequence_loss(model, one_hot, vocab, anchors, 0.8, soft_weight=0.0).loss
+    torch.testing.assert_close(soft, hard)
+    torch.testing.assert_close(ignored, hard)
+    assert not torch.allclose(spread, hard)
+
+
+def test_features_carry_the_targets_top_tokens(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = torch.randint(10, 400, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    feats = sequence_features(target, ids, soft_labels=4)
+    assert feats.soft_ids.shape == (12, 4) and feats.soft_probs.shape == (12, 4)
+    assert feats.soft_ids[:, 0].tolist() == feats.labels.tolist()
+    with torch.no_grad():
+        probs = torch.softmax(target(torch.tensor([ids])).logits[0], -1)
+    expected = probs.gather(1, feats.soft_ids.long())
+    torch.testing.assert_close(feats.soft_probs.float(), expected, rtol=1e-2, atol=1e-3)
+    assert (feats.soft_probs[:, :-1] >= feats.soft_probs[:, 1:]).all()
+    assert sequence_features(target, ids, soft_labels=0).soft_ids is None
 
 
 # --- held-out estimate and progress --------------------------------------------------------------------
