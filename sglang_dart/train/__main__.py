@@ -25,7 +25,7 @@ from sglang_dart.drafter import load_drafter
 from sglang_dart.train import conversations, run_summary
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
 from sglang_dart.train.estimate import estimate_acceptance, split_holdout
-from sglang_dart.train.features import collect_features, load_target
+from sglang_dart.train.features import SOFT_LABELS, collect_features, load_target
 from sglang_dart.train.trainer import train
 from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
 
@@ -79,7 +79,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--soft-weight",
         type=float,
         default=0.0,
-        help="share of DART's loss against the target's top-16 distribution instead of its argmax alone",
+        help="share of DART's loss against the target's top-16 distribution instead of its argmax alone "
+        "(0.5 and 1.0 did not beat 0 in a short A/B: benchmarks/results/acceptance.md)",
     )
     p.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast on CPU)")
     p.add_argument(
@@ -118,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
             f"({target.config.vocab_size}): was it tokenized for another model?"
         )
     started = time.monotonic()
-    feats, held_out = split_holdout(collect_features(target, sequences), args.holdout, args.seed)
+    soft_labels = SOFT_LABELS if args.format == "dart" and args.soft_weight > 0 else 0
+    feats, held_out = split_holdout(
+        collect_features(target, sequences, soft_labels=soft_labels), args.holdout, args.seed
+    )
     print(
         f"features of {len(feats) + len(held_out)} sequences in {time.monotonic() - started:.0f}s "
         f"({len(held_out)} held out)",
