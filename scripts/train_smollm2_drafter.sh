@@ -13,7 +13,10 @@
 # DTYPE (default bfloat16) is the target dtype of generation and training; use the dtype you will serve in
 # (float32 on CPUs without bf16 matrix instructions, where it is several times faster). TRAIN_MINUTES
 # (default 60) and MAX_STEPS (default 3000) bound training, whichever ends first; CONCURRENCY (default 32)
-# is the generation batch. A step whose output is already in OUT_DIR is skipped and an interrupted
+# is the generation batch. INIT (a drafter directory, e.g. the shipped one) continues training that drafter
+# instead of starting a new one, at learning rate LR (default 1e-3; the shipped drafter's second stage used
+# INIT=sglang_dart/shipped/smollm2-135m-instruct/draft LR=5e-4, see its MANIFEST.md).
+# A step whose output is already in OUT_DIR is skipped and an interrupted
 # generation resumes, so the run picks up where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +28,8 @@ CONCURRENCY=${CONCURRENCY:-32}
 MAGPIE=${MAGPIE:-2800}
 MAGPIE_CODE=${MAGPIE_CODE:-1400}
 COMMITTED=${COMMITTED:-data/smollm2-answers}
+INIT=${INIT:-}
+LR=${LR:-1e-3}
 CODE_SYSTEM="You are an expert programming assistant. Users ask you to write, complete, fix, explain and \
 review code in Python, JavaScript, TypeScript, C, C++, Rust, Go, Java, SQL and shell scripts."
 PY=.venv/bin/python
@@ -59,10 +64,11 @@ print(f"{len(kept)} answers")
 PYEOF
 fi
 if [ ! -s "$OUT/draft/model.safetensors" ]; then
-  train_dtype_args=()
-  [ "$DTYPE" = bfloat16 ] || train_dtype_args=(--no-bf16)
+  train_args=()
+  [ "$DTYPE" = bfloat16 ] || train_args=(--no-bf16)
+  [ -z "$INIT" ] || train_args+=(--init "$INIT")
   $PY -m sglang_dart.train --target "$target" --data "$OUT/answers.jsonl" --out "$OUT/draft" \
-    --target-dtype "$DTYPE" --max-minutes "$TRAIN_MINUTES" --max-steps "$MAX_STEPS" "${train_dtype_args[@]}"
+    --target-dtype "$DTYPE" --max-minutes "$TRAIN_MINUTES" --max-steps "$MAX_STEPS" --lr "$LR" "${train_args[@]}"
 fi
 if [ ! -s "$OUT/answers.store" ]; then
   $PY -m sglang_dart.ngram build --tokenizer "$target" -o "$OUT/answers.store" "$OUT/answers.jsonl"
