@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from sglang_dart.train import conversations
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter
 from sglang_dart.train.estimate import estimate_acceptance, split_holdout
-from sglang_dart.train.features import collect_features, load_target
+from sglang_dart.train.features import SOFT_LABELS, collect_features, load_target
 from sglang_dart.train.trainer import TrainSettings, train
 from sglang_dart.train.vocab import most_frequent_vocab
 
@@ -44,7 +44,8 @@ def main() -> None:
     random.Random(0).shuffle(sequences)
     target = load_target(args.target, getattr(torch, args.dtype))
     started = time.monotonic()
-    feats, held_out = split_holdout(collect_features(target, sequences[: args.sequences], False), 0.1)
+    feats = collect_features(target, sequences[: args.sequences], False, soft_labels=SOFT_LABELS)
+    feats, held_out = split_holdout(feats, 0.1)
     seconds = time.monotonic() - started
     print(f"features of {len(feats)} + {len(held_out)} held-out sequences in {seconds:.0f}s", flush=True)
     vocab = most_frequent_vocab([f.labels for f in feats], target.config.vocab_size, 8192)

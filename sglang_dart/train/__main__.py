@@ -105,6 +105,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
+    if not 0.0 <= args.soft_weight <= 1.0:
+        raise SystemExit(f"--soft-weight is a share of the loss, between 0 and 1, not {args.soft_weight}")
     from transformers import AutoTokenizer
 
     torch.manual_seed(args.seed)

@@ -40,7 +40,7 @@ def load_target(target_dir: Path | str, dtype: torch.dtype | None = None):
 
 
 @torch.inference_mode()
-def sequence_features(target, input_ids: list[int], soft_labels: int = SOFT_LABELS) -> SequenceFeatures:
+def sequence_features(target, input_ids: list[int], soft_labels: int = 0) -> SequenceFeatures:
     ids = torch.tensor([input_ids], dtype=torch.long)
     out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
     layers = tap_layers(target.config.num_hidden_layers)
@@ -54,7 +54,7 @@ def sequence_features(target, input_ids: list[int], soft_labels: int = SOFT_LABE
 
 
 def collect_features(
-    target, sequences: list[list[int]], progress: bool = True, soft_labels: int = SOFT_LABELS
+    target, sequences: list[list[int]], progress: bool = True, soft_labels: int = 0
 ) -> list[SequenceFeatures]:
     feats = []
     for i, ids in enumerate(sequences):

@@ -271,3 +271,21 @@ def test_training_logs_progress_lines(capsys):
     assert [line.split(" loss")[0] for line in lines] == ["step 3/6", "step 6/6"]
     assert all("ETA" in line and "top-1 by row" in line for line in lines)
     assert "step 6/6" in capsys.readouterr().err  # the live line, on stderr
+
+
+def test_a_soft_weight_outside_zero_to_one_is_refused_before_any_work(tmp_path):
+    from sglang_dart.train.__main__ import main
+
+    with pytest.raises(SystemExit, match="between 0 and 1"):
+        main(
+            [
+                "--target",
+                str(tmp_path),
+                "--data",
+                str(tmp_path / "d.jsonl"),
+                "--out",
+                str(tmp_path / "o"),
+                "--soft-weight",
+                "1.5",
+            ]
+        )
