@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     if not 0.0 <= args.soft_weight <= 1.0:
         raise SystemExit(f"--soft-weight is a share of the loss, between 0 and 1, not {args.soft_weight}")
+    if args.soft_weight and args.format != "dart":
+        raise SystemExit(f"--soft-weight applies to DART's loss only, not to --format {args.format}")
     from transformers import AutoTokenizer
 
     torch.manual_seed(args.seed)
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             f"({target.config.vocab_size}): was it tokenized for another model?"
         )
     started = time.monotonic()
-    soft_labels = SOFT_LABELS if args.format == "dart" and args.soft_weight > 0 else 0
+    soft_labels = SOFT_LABELS if args.soft_weight > 0 else 0
     feats, held_out = split_holdout(
         collect_features(target, sequences, soft_labels=soft_labels), args.holdout, args.seed
     )

@@ -273,7 +273,7 @@ def test_training_logs_progress_lines(capsys):
     assert "step 6/6" in capsys.readouterr().err  # the live line, on stderr
 
 
-def test_a_soft_weight_outside_zero_to_one_is_refused_before_any_work(tmp_path):
+def test_a_bad_soft_weight_is_refused_before_any_work(tmp_path):
     from sglang_dart.train.__main__ import main
 
     with pytest.raises(SystemExit, match="between 0 and 1"):
@@ -287,5 +287,20 @@ def test_a_soft_weight_outside_zero_to_one_is_refused_before_any_work(tmp_path):
                 str(tmp_path / "o"),
                 "--soft-weight",
                 "1.5",
+            ]
+        )
+    with pytest.raises(SystemExit, match="DART's loss only"):
+        main(
+            [
+                "--target",
+                str(tmp_path),
+                "--data",
+                str(tmp_path / "d.jsonl"),
+                "--out",
+                str(tmp_path / "o"),
+                "--format",
+                "eagle3",
+                "--soft-weight",
+                "0.5",
             ]
         )
