@@ -2,7 +2,7 @@
 
     python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts N] [--magpie M]
         [--max-new-tokens 256] [--concurrency 16] [--dtype auto] [--exclude-file PROMPTS.txt]
-        [--temperature 0.0] [--samples-per-prompt 1]
+        [--temperature 0.0] [--samples-per-prompt 1] [--draft DIR --store FILE]
 
 Each output line is {"prompt": str, "input_ids": [...], "prompt_len": int, "text": str}: the chat-templated
 prompt followed by the target's answer (greedy by default). A drafter trained on the target's own outputs
@@ -15,6 +15,8 @@ The prompt list is saved first (`OUT.prompts.json`) and rows are appended to `OU
 a run started again with the same OUT after an interruption reuses that list and answers only what is
 missing, so a long generation can span sessions. Magpie prompts are saved as they are sampled
 (`OUT.magpie.jsonl`, folded into the list once it is written): a run stopped while sampling keeps them.
+`--draft` and `--store` serve the target with DART (an earlier drafter, e.g. the shipped one): the answers
+are the target's own (speculation is lossless), only sooner.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ def chat_prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
 
 
 @contextmanager
-def target_server(target: Path, concurrency: int, log_dir: Path, dtype: str = "auto") -> Iterator[Any]:
+def target_server(
+    target: Path, concurrency: int, log_dir: Path, dtype: str = "auto", extra_args: list[str] | None = None
+) -> Iterator[Any]:
     """A running SGLang server for the target (its log in log_dir), stopped on the way out."""
     from sglang_dart.server_process import SglangServer
 
     server = SglangServer(
         target,
-        ["--max-running-requests", str(concurrency), "--dtype", dtype],
+        ["--max-running-requests", str(concurrency), "--dtype", dtype, *(extra_args or [])],
         log_dir / "generate-server.log",
     )
     try:  # started inside the try: a SIGTERM while it boots must stop it too
@@ -149,7 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         help="system prompt that frames the sampled user turns, e.g. a coding assistant's to get code "
         "questions (the answers use the template's default)",
     )
+    p.add_argument("--draft", type=Path, default=None, help="serve with DART: this drafter directory")
+    p.add_argument("--store", type=Path, default=None, help="serve with DART: this 3-gram store")
     args = p.parse_args(argv)
+    speculation = _speculation_flags(p, args)
     if args.temperature < 0 or args.samples_per_prompt < 1:
         p.error("--temperature must be >= 0 and --samples-per-prompt >= 1")
     if args.magpie < 0:
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     # The server runs in its own session; a plain SIGTERM would end this process and leave it running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # The server's log stays beside the data: a failed run keeps its cause.
-    with target_server(args.target, args.concurrency, args.out.parent, args.dtype) as server:
+    with target_server(args.target, args.concurrency, args.out.parent, args.dtype, speculation) as server:
         if not resume:
             if args.magpie:
                 prompts = prompts + _magpie_prompts(server, tokenizer, args, exclude, prompts, magpie_file)
@@ -213,6 +220,21 @@ def main(argv: list[str] | None = None) -> None:
             raise
     partial.replace(args.out)
     print(f"wrote {len(done) + count} conversations ({tokens} generated tokens this run) to {args.out}")
+
+
+def _speculation_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The server flags of --draft/--store (both or neither; refused before anything starts)."""
+    from sglang_dart.server_process import dart_flags
+
+    if (args.draft is None) != (args.store is None):
+        parser.error("--draft and --store go together (the drafter directory and its 3-gram store)")
+    if args.draft is None:
+        return []
+    if not (args.draft / "config.json").is_file():
+        parser.error(f"--draft {args.draft}: no config.json there (not a drafter directory)")
+    if not args.store.is_file():
+        parser.error(f"--store {args.store}: no such file")
+    return dart_flags(args.draft, args.store)
 
 
 def _magpie_prompts(

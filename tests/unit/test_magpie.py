@@ -151,3 +151,26 @@ def test_generate_refuses_a_tokenizer_without_chat_template_before_serving(tmp_p
         main(["--target", str(target), "--out", str(tmp_path / "out.jsonl"), "--num-prompts", "2"])
     assert "no chat template" in capsys.readouterr().err
     assert not (tmp_path / "generate-server.log").exists()  # refused before any server started
+
+
+@pytest.mark.parametrize("given", ["draft only", "store only", "not a drafter", "no store file"])
+def test_generate_refuses_incomplete_speculation_flags_before_serving(tmp_path, capsys, given):
+    from sglang_dart.train.generate import main
+
+    target = tmp_path / "target"
+    build_tokenizer(target)
+    draft, store = tmp_path / "draft", tmp_path / "answers.store"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    store.write_bytes(b"")
+    flags = {
+        "draft only": ["--draft", str(draft)],
+        "store only": ["--store", str(store)],
+        "not a drafter": ["--draft", str(tmp_path), "--store", str(store)],
+        "no store file": ["--draft", str(draft), "--store", str(tmp_path / "missing.store")],
+    }[given]
+    with pytest.raises(SystemExit):
+        main(["--target", str(target), "--out", str(tmp_path / "out.jsonl"), "--num-prompts", "2", *flags])
+    err = capsys.readouterr().err
+    assert "--draft" in err or "--store" in err
+    assert not (tmp_path / "generate-server.log").exists()  # refused before any server started
