@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from sglang_dart.train import conversations
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter
 from sglang_dart.train.estimate import estimate_acceptance, split_holdout
+from sglang_dart.train.feature_cache import FeatureCache
 from sglang_dart.train.features import SOFT_LABELS, collect_features, load_target
 from sglang_dart.train.trainer import TrainSettings, train
 from sglang_dart.train.vocab import most_frequent_vocab
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--soft-weights", default="0,0.5,1.0", help="comma-separated --soft-weight values")
+    p.add_argument("--feature-cache", type=Path, default=None, help="as `python -m sglang_dart.train`'s")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -44,7 +46,10 @@ def main() -> None:
     random.Random(0).shuffle(sequences)
     target = load_target(args.target, getattr(torch, args.dtype))
     started = time.monotonic()
-    feats = collect_features(target, sequences[: args.sequences], False, soft_labels=SOFT_LABELS)
+    cache = None
+    if args.feature_cache is not None:
+        cache = FeatureCache(args.feature_cache, args.target, target.dtype, target.config.num_hidden_layers)
+    feats = collect_features(target, sequences[: args.sequences], False, SOFT_LABELS, cache)
     feats, held_out = split_holdout(feats, 0.1)
     seconds = time.monotonic() - started
     print(f"features of {len(feats)} + {len(held_out)} held-out sequences in {seconds:.0f}s", flush=True)

@@ -9,6 +9,8 @@ through the target's chat template; see `conversations.py`). `python -m sglang_d
 makes one by letting the target answer synthetic chat prompts. The result is a
 checkpoint in the published layout for `--speculative-draft-model-path`, with `train_report.json` beside it
 (steps, time, and tau estimated on the `--holdout` share of the sequences, kept out of training).
+`--feature-cache DIR` keeps the target's features on disk, so later runs over the same answers (any
+`--format`) skip the feature pass (`feature_cache.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sglang_dart.drafter import load_drafter
 from sglang_dart.train import conversations, run_summary
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
 from sglang_dart.train.estimate import estimate_acceptance, split_holdout
+from sglang_dart.train.feature_cache import FeatureCache
 from sglang_dart.train.features import SOFT_LABELS, collect_features, load_target
 from sglang_dart.train.trainer import train
 from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
@@ -98,6 +101,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="share of the sequences kept out of training to estimate tau on at the end (0: none)",
     )
     p.add_argument("--init", type=Path, default=None, help="draft checkpoint to continue training from")
+    p.add_argument(
+        "--feature-cache",
+        type=Path,
+        default=None,
+        help="directory keeping the target's features between runs (any format reads them)",
+    )
     for name in PEER_FORMATS:
         peer_format(name).add_arguments(p.add_argument_group(f"--format {name}"))
     return p
@@ -124,8 +133,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     started = time.monotonic()
     soft_labels = SOFT_LABELS if args.soft_weight > 0 else 0
+    cache = None
+    if args.feature_cache is not None:
+        cache = FeatureCache(args.feature_cache, args.target, target.dtype, target.config.num_hidden_layers)
     feats, held_out = split_holdout(
-        collect_features(target, sequences, soft_labels=soft_labels), args.holdout, args.seed
+        collect_features(target, sequences, soft_labels=soft_labels, cache=cache), args.holdout, args.seed
     )
     print(
         f"features of {len(feats) + len(held_out)} sequences in {time.monotonic() - started:.0f}s "

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang_dart.train.feature_cache import FeatureCache
 
 
 def tap_layers(num_layers: int) -> list[int]:
@@ -54,11 +58,23 @@ def sequence_features(target, input_ids: list[int], soft_labels: int = 0) -> Seq
 
 
 def collect_features(
-    target, sequences: list[list[int]], progress: bool = True, soft_labels: int = 0
+    target,
+    sequences: list[list[int]],
+    progress: bool = True,
+    soft_labels: int = 0,
+    cache: FeatureCache | None = None,
 ) -> list[SequenceFeatures]:
+    """Every sequence's features, read from `cache` where it has them (and written to it where not)."""
     feats = []
     for i, ids in enumerate(sequences):
-        feats.append(sequence_features(target, ids, soft_labels))
+        cached = None if cache is None else cache.get(ids, soft_labels)
+        if cached is None:
+            cached = sequence_features(target, ids, soft_labels)
+            if cache is not None:
+                cache.put(cached)
+        feats.append(cached)
         if progress and (i + 1) % 50 == 0:
             print(f"features: {i + 1}/{len(sequences)} sequences", flush=True)
+    if progress and cache is not None:
+        print(cache.counts.describe(), flush=True)
     return feats
