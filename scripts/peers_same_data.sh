@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# DART against EAGLE3 (and DFLASH) with drafters trained from scratch on the same data, with the same
+# budget, on this machine, then served side by side (issue 29):
+#
+#   bash scripts/peers_same_data.sh OUT_DIR
+#
+# Data: every answer committed in data/smollm2-answers/ (none is a benchmark prompt). The target's features
+# are computed once and shared by every format (`--feature-cache`), so each further format costs its
+# training time only. Knobs (environment): MINUTES (training budget per drafter, default 30), FORMATS
+# (default "dart eagle3"; add dflash), DTYPE (default bfloat16), BATCH_SIZES (default "1"), REPEATS
+# (default 3), EAGLE3_SETTINGS (default "3,4,8"). A step whose output exists is skipped, so an interrupted
+# run goes on where it stopped.
+set -euo pipefail
+OUT=${1:?usage: scripts/peers_same_data.sh OUT_DIR}
+MINUTES=${MINUTES:-30}
+FORMATS=${FORMATS:-dart eagle3}
+DTYPE=${DTYPE:-bfloat16}
+BATCH_SIZES=${BATCH_SIZES:-1}
+REPEATS=${REPEATS:-3}
+EAGLE3_SETTINGS=${EAGLE3_SETTINGS:-3,4,8}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY="$ROOT/.venv/bin/python"
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$ROOT"
+TARGET=$($PY -m sglang_dart.assets smollm2 2>/dev/null | tail -n 1)
+
+if [ ! -s "$OUT/answers.jsonl" ]; then
+  zcat data/smollm2-answers/*.jsonl.gz > "$OUT/answers.jsonl.tmp"
+  mv "$OUT/answers.jsonl.tmp" "$OUT/answers.jsonl"
+fi
+echo "data: $(wc -l < "$OUT/answers.jsonl") answers"
+for format in $FORMATS; do
+  [ -f "$OUT/$format/config.json" ] && continue
+  echo "training $format for $MINUTES minutes ($(date +%T))"
+  $PY -m sglang_dart.train --format "$format" --target "$TARGET" --data "$OUT/answers.jsonl" \
+    --out "$OUT/$format" --target-dtype "$DTYPE" --max-minutes "$MINUTES" --max-steps 100000 \
+    --feature-cache "$OUT/features" > "$OUT/train-$format.log" 2>&1
+  grep "estimated tau" "$OUT/train-$format.log" || true
+done
+if [ ! -s "$OUT/answers.store" ]; then
+  $PY -m sglang_dart.ngram build --tokenizer "$TARGET" -o "$OUT/answers.store" "$OUT/answers.jsonl"
+fi
+
+peers=(--skip-ngram --dtype "$DTYPE" --batch-sizes $BATCH_SIZES --repeats "$REPEATS" --png "$OUT/peers.png")
+# Without dart in FORMATS, DART is the shipped drafter (peers.py's default).
+[[ " $FORMATS " == *" dart "* ]] && peers+=(--draft "$OUT/dart" --store "$OUT/answers.store")
+[[ " $FORMATS " == *" eagle3 "* ]] && peers+=(--eagle3 "$OUT/eagle3" --eagle3-settings $EAGLE3_SETTINGS)
+[[ " $FORMATS " == *" dflash "* ]] && peers+=(--dflash "$OUT/dflash")
+$PY -u benchmarks/peers.py "${peers[@]}" 2>&1 | tee "$OUT/peers.log"
