@@ -14,6 +14,7 @@ cannot be read (a disk error, a file damaged by hand) is computed again and rewr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,6 +61,7 @@ class FeatureCache:
         self.dir = Path(root) / target_fingerprint(target_dir, dtype, num_layers)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.counts = CacheCounts()
+        self.write_error: Exception | None = None
 
     def _path(self, input_ids: list[int]) -> Path:
         key = hashlib.sha256(json.dumps(input_ids, separators=(",", ":")).encode()).hexdigest()
@@ -95,11 +97,19 @@ class FeatureCache:
 
     def put(self, feats: SequenceFeatures) -> None:
         path = self._path(feats.input_ids.tolist())
-        path.parent.mkdir(exist_ok=True)
         tensors = {"input_ids": feats.input_ids, "taps": feats.taps, "labels": feats.labels}
         if feats.soft_ids is not None:
             tensors |= {"soft_ids": feats.soft_ids, "soft_probs": feats.soft_probs}
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial))
-        partial.replace(path)  # atomic: readers see a whole entry or none
         self.counts.computed += 1
+        if self.write_error is not None:
+            return
+        try:
+            path.parent.mkdir(exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial))
+            partial.replace(path)  # atomic: readers see a whole entry or none
+        except (OSError, SafetensorError) as exc:  # a full disk must not end a run: go on uncached
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            self.write_error = exc
+            print(f"feature cache: cannot write to {self.dir} ({exc}); going on without caching", flush=True)

@@ -110,3 +110,14 @@ def test_one_feature_pass_serves_every_format(tiny_llama_dir, tmp_path, capsys):
     train_eagle3(tiny_llama_dir, tmp_path / "eagle3", data, "--holdout", "0", "--max-steps", "2", *cache)
     assert "feature cache: 6 read, 0 computed" in capsys.readouterr().out
     assert (tmp_path / "eagle3" / "config.json").is_file()
+
+
+def test_a_cache_that_cannot_be_written_does_not_stop_the_run(tiny_llama_dir, tmp_path, capsys):
+    target = load_target(tiny_llama_dir, torch.float32)
+    seqs = _sequences(2)
+    cache = _cache(tmp_path, tiny_llama_dir)
+    cache._path(seqs[0]).parent.write_text("a file where the entry's folder should be")
+    feats = collect_features(target, seqs, progress=False, cache=cache)
+    assert len(feats) == 2 and cache.counts.computed == 2
+    assert "going on without caching" in capsys.readouterr().out
+    assert not list(tmp_path.rglob("*.safetensors"))  # nothing more written once writing failed
