@@ -114,7 +114,10 @@ def read_sequences(path: Path, tokenizer: Any, max_len: int) -> Sequences:
     out = Sequences()
     has_template = bool(getattr(tokenizer, "chat_template", None))
     for line_no, row in iter_jsonl(path):
-        if isinstance(row, dict) and ("messages" in row or "conversations" in row) and not has_template:
+        # A row with input_ids is read from them (a generated conversation records its turns too).
+        chat = isinstance(row, dict) and "input_ids" not in row
+        chat = chat and ("messages" in row or "conversations" in row)
+        if chat and not has_template:
             raise DataFormatError(
                 f"{path}:{line_no}: a chat row, but the target's tokenizer has no chat template"
             )

@@ -2,19 +2,24 @@
 
     python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts N] [--magpie M]
         [--max-new-tokens 256] [--concurrency 16] [--dtype auto] [--exclude-file PROMPTS.txt]
-        [--temperature 0.0] [--samples-per-prompt 1] [--draft DIR --store FILE]
+        [--temperature 0.0] [--samples-per-prompt 1] [--follow-ups GENERATED.jsonl[.gz] ...]
+        [--draft DIR --store FILE]
 
 Each output line is {"prompt": str, "input_ids": [...], "prompt_len": int, "text": str}: the chat-templated
 prompt followed by the target's answer (greedy by default). A drafter trained on the target's own outputs
 learns what the verifier will accept; `text` feeds `python -m sglang_dart.ngram build` for the 3-gram store.
 Sampled answers (`--temperature > 0`, several per prompt) add variety from a fixed prompt list: the trainer
 labels every position with the target's argmax anyway, so sampling changes the contexts, not the targets.
-`--magpie M` adds M user prompts the target writes itself (`magpie.py`), mixed with the pool's.
+`--magpie M` adds M user prompts the target writes itself (`magpie.py`), mixed with the pool's;
+`--follow-ups FILES` adds one more user turn, written by the target too, to each finished answer of
+earlier output, and answers the longer conversations (multi-turn variety). Rows of a conversation also
+record its turns (`messages`).
 
 The prompt list is saved first (`OUT.prompts.json`) and rows are appended to `OUT.partial` as they come;
 a run started again with the same OUT after an interruption reuses that list and answers only what is
 missing, so a long generation can span sessions. Magpie prompts are saved as they are sampled
-(`OUT.magpie.jsonl`, folded into the list once it is written): a run stopped while sampling keeps them.
+(`OUT.magpie.jsonl`, folded into the list once it is written): a run stopped while sampling keeps them
+(follow-ups likewise, in `OUT.follow-ups.jsonl`).
 `--draft` and `--store` serve the target with DART (an earlier drafter, e.g. the shipped one): the answers
 are the target's own (speculation is lossless), only sooner.
 """
@@ -22,7 +27,9 @@ are the target's own (speculation is lossless), only sooner.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import random
 import signal
 import sys
 from collections import Counter
@@ -79,12 +86,15 @@ def answers(
         ids = chat_prompt_ids(tokenizer, prompt)
         out = server.generate({"input_ids": ids, "sampling_params": params}, timeout=3600)
         full = ids + [int(t) for t in out["output_ids"]]
-        return {
+        row = {
             "prompt": _prompt_key(prompt),
             "input_ids": full,
             "prompt_len": len(ids),
             "text": tokenizer.decode(full),
         }
+        if not isinstance(prompt, str):  # a conversation: its turns, which `prompt` alone does not hold
+            row["messages"] = prompt
+        return row
 
     pool = ThreadPoolExecutor(max_workers=concurrency)
     try:
@@ -153,6 +163,20 @@ def main(argv: list[str] | None = None) -> None:
         help="system prompt that frames the sampled user turns, e.g. a coding assistant's to get code "
         "questions (the answers use the template's default)",
     )
+    p.add_argument(
+        "--follow-ups",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="files this command wrote (.jsonl or .jsonl.gz): the target writes one more user turn for "
+        "each of their finished answers, and answers it (multi-turn conversations)",
+    )
+    p.add_argument(
+        "--num-follow-ups",
+        type=int,
+        default=None,
+        help="follow up this many of the finished answers (a --seed sample; default: every one)",
+    )
     p.add_argument("--draft", type=Path, default=None, help="serve with DART: this drafter directory")
     p.add_argument("--store", type=Path, default=None, help="serve with DART: this 3-gram store")
     args = p.parse_args(argv)
@@ -161,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--temperature must be >= 0 and --samples-per-prompt >= 1")
     if args.magpie < 0:
         p.error("--magpie must be >= 0")
+    if args.num_follow_ups is not None and (args.num_follow_ups < 1 or args.follow_ups is None):
+        p.error("--num-follow-ups needs --follow-ups and must be >= 1")
     if args.samples_per_prompt > 1 and args.temperature == 0:
         p.error("--samples-per-prompt > 1 needs --temperature > 0 (greedy answers would repeat)")
     exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
@@ -168,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     partial = args.out.with_name(args.out.name + ".partial")
     prompt_file = args.out.with_name(args.out.name + ".prompts.json")
     magpie_file = args.out.with_name(args.out.name + ".magpie.jsonl")  # sampled prompts, as they come
+    follow_up_file = args.out.with_name(args.out.name + ".follow-ups.jsonl")  # the same, for follow-ups
     resume = partial.exists() and prompt_file.exists()
     if resume:
         prompts = json.loads(prompt_file.read_text())
@@ -186,6 +213,25 @@ def main(argv: list[str] | None = None) -> None:
             magpie.user_turn_prefix(tokenizer, args.magpie_system)
         except ValueError as exc:
             p.error(f"--magpie: {exc}")
+    answered: list[list[dict[str, str]]] = []
+    if args.follow_ups is not None and not resume:
+        try:
+            skipped_rows: Counter = Counter()
+            for path in args.follow_ups:
+                found, skipped = answered_conversations(path, tokenizer)
+                answered += found
+                skipped_rows += skipped
+            if answered:
+                magpie.follow_up_prefix(tokenizer, answered[0])
+        except (OSError, EOFError, ValueError) as exc:  # EOFError: a gzip file cut short
+            p.error(f"--follow-ups: {exc}")
+        if not answered:
+            p.error("--follow-ups: the files hold no finished answer")
+        if args.num_follow_ups is not None and args.num_follow_ups < len(answered):
+            chosen = sorted(random.Random(args.seed).sample(range(len(answered)), args.num_follow_ups))
+            answered = [answered[i] for i in chosen]
+        if skipped_rows:
+            print(f"--follow-ups: skipped {dict(skipped_rows)}", file=sys.stderr)
     count = tokens = 0
     # The server runs in its own session; a plain SIGTERM would end this process and leave it running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -194,9 +240,12 @@ def main(argv: list[str] | None = None) -> None:
         if not resume:
             if args.magpie:
                 prompts = prompts + _magpie_prompts(server, tokenizer, args, exclude, prompts, magpie_file)
+            if answered:
+                prompts += _follow_up_prompts(server, tokenizer, args, exclude, answered, follow_up_file)
             prompts = prompts * args.samples_per_prompt
             prompt_file.write_text(json.dumps(prompts))
             magpie_file.unlink(missing_ok=True)  # the prompt list holds them now
+            follow_up_file.unlink(missing_ok=True)
             partial.write_text("")
         todo = unanswered(prompts, done)
         try:
@@ -220,6 +269,75 @@ def main(argv: list[str] | None = None) -> None:
             raise
     partial.replace(args.out)
     print(f"wrote {len(done) + count} conversations ({tokens} generated tokens this run) to {args.out}")
+
+
+def answered_conversations(path: Path, tokenizer: Any) -> tuple[list[list[dict[str, str]]], Counter]:
+    """The finished answers of a file `generate` wrote, as conversations ending with the answer (the row's
+    `messages`, or its single `prompt` turn, then the answer), and the rows left out by reason (cut off by
+    the token budget, empty)."""
+    conversations, skipped = [], Counter()
+    # A finished answer ends with the end-of-turn token; which one is the template's, so any special one.
+    eos = {int(i) for i in tokenizer.all_special_ids}
+    for row in _generated_rows(path):
+        if not isinstance(row, dict) or not {"prompt", "input_ids", "prompt_len"} <= row.keys():
+            raise ValueError(f"{path}: a row without prompt/input_ids/prompt_len (not written by generate)")
+        messages = row.get("messages", [{"role": "user", "content": row["prompt"]}])
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError(f"{path}: a row whose messages are not a list of turns")
+        answer_ids = row["input_ids"][row["prompt_len"] :]
+        if not answer_ids or int(answer_ids[-1]) not in eos:
+            skipped["answer cut off"] += 1
+            continue
+        answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
+        if answer:
+            conversations.append([*messages, {"role": "assistant", "content": answer}])
+        else:
+            skipped["empty answer"] += 1
+    return conversations, skipped
+
+
+def _generated_rows(path: Path) -> Iterator[Any]:
+    """The rows of a finished generation file, plain or gzipped; ValueError naming a line that is not JSON."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+
+
+def _follow_up_prompts(
+    server: Any,
+    tokenizer: Any,
+    args: argparse.Namespace,
+    exclude: set[str],
+    answered: list[list[dict[str, str]]],
+    side: Path,
+) -> list[list[dict[str, str]]]:
+    """A follow-up question for each answered conversation, written by the target; those an interrupted
+    run saved to `side` are kept and only the rest are sampled."""
+    saved = [row for row in _read_rows(side) if isinstance(row, list)] if side.exists() else []
+    side.write_text("".join(json.dumps(c) + "\n" for c in saved))  # without a cut-off line
+    done = {json.dumps(c[:-1]) for c in saved}
+    todo = [c for c in answered if json.dumps(c) not in done]
+    with side.open("a") as f:
+
+        def keep(conversation: list[dict[str, str]]) -> None:
+            f.write(json.dumps(conversation) + "\n")
+            f.flush()
+
+        written, skipped = magpie.sample_follow_ups(
+            server, tokenizer, todo, exclude | {c[-1]["content"] for c in saved},
+            concurrency=args.concurrency, on_kept=keep,
+        )  # fmt: skip
+    print(
+        f"follow-ups: {len(saved) + len(written)} second turns written by the target for "
+        f"{len(answered)} answers (skipped: {dict(skipped)})",
+        file=sys.stderr,
+    )
+    return saved + written
 
 
 def _speculation_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:

@@ -26,9 +26,19 @@ def user_turn_prefix(tokenizer: Any, system: str | None = None) -> list[int]:
     the user turns such an assistant gets). Raises ValueError for a template that does not place the
     message after a prefix."""
     framing = [{"role": "system", "content": system}] if system else []
-    ids = templated_ids(tokenizer, [*framing, {"role": "user", "content": _SENTINEL}])
+    return _prefix_of_next_user_turn(tokenizer, framing)
+
+
+def follow_up_prefix(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
+    """The token ids of a conversation (ending with the assistant's answer) up to where the next user
+    message's text goes: sampled from, it is the follow-up question the target finds likely."""
+    return _prefix_of_next_user_turn(tokenizer, conversation)
+
+
+def _prefix_of_next_user_turn(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids = templated_ids(tokenizer, [*messages, {"role": "user", "content": _SENTINEL}])
     text = tokenizer.decode(ids)
-    at = text.find(_SENTINEL)
+    at = text.rfind(_SENTINEL)
     if at <= 0:
         raise ValueError("the tokenizer's chat template does not start a user turn with fixed text")
     prefix = tokenizer(text[:at], add_special_tokens=False)["input_ids"]
@@ -114,3 +124,58 @@ def sample_prompts(
                 if on_kept is not None:
                     on_kept(kept[-1])
     return kept, skipped
+
+
+def sample_follow_ups(
+    server: Any,
+    tokenizer: Any,
+    conversations: list[list[dict[str, str]]],
+    exclude: set[str] | None = None,
+    temperature: float = 1.0,
+    top_p: float = 0.99,
+    max_new_tokens: int = 96,
+    concurrency: int = 16,
+    max_rounds: int = 3,
+    on_kept: Callable[[list[dict[str, str]]], None] | None = None,
+) -> tuple[list[list[dict[str, str]]], Counter]:
+    """Second user turns written by the target: for each conversation (ending with an assistant answer),
+    one sampled follow-up question, filtered as first turns are (`rejection`; a follow-up equal to an
+    excluded prompt or to an earlier kept one is skipped). A conversation whose sample is skipped is tried
+    again in the next round, up to `max_rounds`. Returns the conversations extended by their follow-up
+    (ready to be answered), in the order given, and the skip counts by reason."""
+    markers = tuple(t for t in tokenizer.all_special_tokens if t and len(t) > 1)
+    excluded = {normalized(p) for p in exclude or ()}
+    seen: set[str] = set()
+    kept: dict[int, list[dict[str, str]]] = {}
+    skipped: Counter = Counter()
+    todo = list(range(len(conversations)))
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    for _ in range(max_rounds):
+        if not todo:
+            break
+        prefixes = [follow_up_prefix(tokenizer, conversations[i]) for i in todo]
+        outs = server.generate_many(prefixes, params, concurrency, timeout=3600)
+        retry = []
+        for i, out in zip(todo, outs, strict=True):
+            text = (
+                out["text"]
+                if "text" in out
+                else tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+            )
+            finished = (out.get("meta_info", {}).get("finish_reason") or {}).get("type") == "stop"
+            reason = rejection(text, finished, markers)
+            key = normalized(text)
+            if reason is None and key in excluded:
+                reason = "excluded"
+            if reason is None and key in seen:
+                reason = "duplicate"
+            if reason is not None:
+                skipped[reason] += 1
+                retry.append(i)
+                continue
+            seen.add(key)
+            kept[i] = [*conversations[i], {"role": "user", "content": text.strip()}]
+            if on_kept is not None:
+                on_kept(kept[i])
+        todo = retry
+    return [kept[i] for i in sorted(kept)], skipped

@@ -191,6 +191,9 @@ def test_generate_answers_chat_files_after_their_last_user_turn(tiny_qwen3_dir, 
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
     assert [r["prompt"] for r in rows] == ["import os", "class A:"]
+    # Each row records its conversation's turns (what `--follow-ups` continues from).
+    assert rows[0]["messages"] == turns
+    assert rows[1]["messages"] == [{"role": "user", "content": "class A:"}]
     expected = [chat_prompt_ids(tokenizer, turns), chat_prompt_ids(tokenizer, "class A:")]
     for row, prefix in zip(rows, expected, strict=True):
         assert row["prompt_len"] == len(prefix) and row["input_ids"][: len(prefix)] == prefix

@@ -90,6 +90,10 @@ def test_chat_rows_need_a_chat_template(tokenizer, tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(DataFormatError, match="no chat template"):
         read_sequences(path, tokenizer, max_len=1000)
+    # A generated conversation's row records its turns beside its ids: the ids are what is read.
+    messages = [{"role": "user", "content": "hi"}]
+    path = _write(tmp_path / "g.jsonl", [{"prompt": "hi", "messages": messages, "input_ids": [5, 6, 7]}])
+    assert read_sequences(path, tokenizer, max_len=1000).ids == [[5, 6, 7]]
 
 
 def test_generation_prompts_end_at_the_last_user_turn(tmp_path):

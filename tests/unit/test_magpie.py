@@ -174,3 +174,98 @@ def test_generate_refuses_incomplete_speculation_flags_before_serving(tmp_path, 
     err = capsys.readouterr().err
     assert "--draft" in err or "--store" in err
     assert not (tmp_path / "generate-server.log").exists()  # refused before any server started
+
+
+# --- follow-ups: second user turns ---------------------------------------------------------------------
+
+
+def test_follow_up_prefix_is_the_conversation_then_a_user_turn(tokenizer):
+    from sglang_dart.train.magpie import follow_up_prefix
+
+    conversation = [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."}]
+    text = tokenizer.decode(follow_up_prefix(tokenizer, conversation))
+    assert text == (
+        "<|im_start|>user\nName a prime.<|im_end|>\n"
+        "<|im_start|>assistant\nSeven.<|im_end|>\n<|im_start|>user\n"
+    )
+
+
+def test_follow_ups_extend_each_conversation_and_retry_the_skipped(tokenizer):
+    from sglang_dart.train.magpie import sample_follow_ups
+
+    conversations = [
+        [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
+        for i in range(3)
+    ]
+    replies = _Replies(
+        [
+            ("Can you give an example of that?", "stop"),
+            ("can you give an  example of that?", "stop"),  # a duplicate: conversation 1 tries again
+            ("Write a haiku about the sea.", "stop"),  # excluded: conversation 2 tries again
+            ("Why does that work?", "stop"),
+            ("And what about", "length"),  # cut off: conversation 2 once more
+            ("Show it in Rust instead.", "stop"),
+        ]
+    )
+    kept, skipped = sample_follow_ups(
+        replies, tokenizer, conversations, exclude={"Write a haiku about the sea."}
+    )
+    assert replies.asked == [3, 2, 1]
+    assert [c[-1]["content"] for c in kept] == [
+        "Can you give an example of that?",
+        "Why does that work?",
+        "Show it in Rust instead.",
+    ]
+    assert [c[:-1] for c in kept] == conversations and all(c[-1]["role"] == "user" for c in kept)
+    assert skipped == {"duplicate": 1, "excluded": 1, "overlong": 1}
+
+
+def test_answered_conversations_keep_the_finished_answers(tokenizer, tmp_path):
+    import gzip
+    import json
+
+    from sglang_dart.train.generate import answered_conversations
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answer = tokenizer("A closure keeps its scope.", add_special_tokens=False)["input_ids"]
+    turns = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "z"},
+        {"role": "user", "content": "y"},
+    ]  # a conversation's row (a follow-up's) records its turns: a third one can follow
+    rows = [
+        {"prompt": "What is a closure?", "input_ids": [5, 6, *answer, end], "prompt_len": 2},
+        {"prompt": "Cut off?", "input_ids": [5, 6, *answer], "prompt_len": 2},  # hit the token budget
+        {"prompt": "Empty?", "input_ids": [5, 6, end], "prompt_len": 2},
+        {"prompt": "y", "messages": turns, "input_ids": [5, *answer, end], "prompt_len": 1},
+    ]
+    path = tmp_path / "chunk.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    conversations, skipped = answered_conversations(path, tokenizer)
+    reply = {"role": "assistant", "content": "A closure keeps its scope."}
+    assert conversations == [[{"role": "user", "content": "What is a closure?"}, reply], [*turns, reply]]
+    assert skipped == {"answer cut off": 1, "empty answer": 1}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        answered_conversations(bad, tokenizer)
+    with pytest.raises(ValueError, match="not written by generate"):
+        (tmp_path / "other.jsonl").write_text('{"text": "hello"}\n')
+        answered_conversations(tmp_path / "other.jsonl", tokenizer)
+
+
+def test_generate_refuses_follow_ups_without_a_finished_answer_before_serving(tmp_path, capsys):
+    from sglang_dart.train.generate import main
+
+    target = tmp_path / "target"
+    build_tokenizer(target)
+    (tmp_path / "cut.jsonl").write_text('{"prompt": "p", "input_ids": [5, 6, 7], "prompt_len": 2}\n')
+    out = ["--target", str(target), "--out", str(tmp_path / "out.jsonl"), "--num-prompts", "0"]
+    with pytest.raises(SystemExit):
+        main([*out, "--follow-ups", str(tmp_path / "cut.jsonl")])
+    assert "no finished answer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*out, "--follow-ups", str(tmp_path / "missing.jsonl.gz")])
+    assert "--follow-ups" in capsys.readouterr().err
+    assert not (tmp_path / "generate-server.log").exists()
