@@ -217,8 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.follow_ups is not None and not resume:
         try:
             skipped_rows: Counter = Counter()
+            stop_ids = stop_token_ids(tokenizer, args.target)
             for path in args.follow_ups:
-                found, skipped = answered_conversations(path, tokenizer)
+                found, skipped = answered_conversations(path, tokenizer, stop_ids)
                 answered += found
                 skipped_rows += skipped
             if answered:
@@ -271,13 +272,35 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {len(done) + count} conversations ({tokens} generated tokens this run) to {args.out}")
 
 
-def answered_conversations(path: Path, tokenizer: Any) -> tuple[list[list[dict[str, str]]], Counter]:
+def stop_token_ids(tokenizer: Any, target: Path) -> set[int]:
+    """The ids an answer can finish with: the model's end-of-sequence ids (config.json and
+    generation_config.json, which the server stops at), the tokenizer's special ids, and the token the
+    chat template closes an assistant turn with. SmolLM2's tokenizer, for one, marks only
+    `<|im_start|>` and `<|endoftext|>` special, while its answers end with `<|im_end|>`."""
+    ids = {int(i) for i in tokenizer.all_special_ids}
+    for name in ("config.json", "generation_config.json"):
+        path = target / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids |= {int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
+    closed = templated_ids(
+        tokenizer, [{"role": "user", "content": "a"}, {"role": "assistant", "content": magpie.SENTINEL}]
+    )
+    text = tokenizer.decode(closed)
+    after = text[text.rfind(magpie.SENTINEL) + len(magpie.SENTINEL) :]
+    closing = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+    if closing:
+        ids.add(int(closing[0]))
+    return ids
+
+
+def answered_conversations(
+    path: Path, tokenizer: Any, stop_ids: set[int]
+) -> tuple[list[list[dict[str, str]]], Counter]:
     """The finished answers of a file `generate` wrote, as conversations ending with the answer (the row's
     `messages`, or its single `prompt` turn, then the answer), and the rows left out by reason (cut off by
     the token budget, empty)."""
     conversations, skipped = [], Counter()
-    # A finished answer ends with the end-of-turn token; which one is the template's, so any special one.
-    eos = {int(i) for i in tokenizer.all_special_ids}
     for row in _generated_rows(path):
         if not isinstance(row, dict) or not {"prompt", "input_ids", "prompt_len"} <= row.keys():
             raise ValueError(f"{path}: a row without prompt/input_ids/prompt_len (not written by generate)")
@@ -285,7 +308,7 @@ def answered_conversations(path: Path, tokenizer: Any) -> tuple[list[list[dict[s
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError(f"{path}: a row whose messages are not a list of turns")
         answer_ids = row["input_ids"][row["prompt_len"] :]
-        if not answer_ids or int(answer_ids[-1]) not in eos:
+        if not answer_ids or int(answer_ids[-1]) not in stop_ids:
             skipped["answer cut off"] += 1
             continue
         answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()

@@ -16,7 +16,7 @@ from typing import Any
 
 from sglang_dart.train.conversations import templated_ids
 
-_SENTINEL = "\u2063MAGPIE\u2063"  # no chat template produces this text itself
+SENTINEL = "\u2063MAGPIE\u2063"  # no chat template produces this text itself
 MIN_WORDS = 3
 
 
@@ -36,9 +36,9 @@ def follow_up_prefix(tokenizer: Any, conversation: list[dict[str, str]]) -> list
 
 
 def _prefix_of_next_user_turn(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = templated_ids(tokenizer, [*messages, {"role": "user", "content": _SENTINEL}])
+    ids = templated_ids(tokenizer, [*messages, {"role": "user", "content": SENTINEL}])
     text = tokenizer.decode(ids)
-    at = text.rfind(_SENTINEL)
+    at = text.rfind(SENTINEL)
     if at <= 0:
         raise ValueError("the tokenizer's chat template does not start a user turn with fixed text")
     prefix = tokenizer(text[:at], add_special_tokens=False)["input_ids"]

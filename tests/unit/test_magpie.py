@@ -242,17 +242,17 @@ def test_answered_conversations_keep_the_finished_answers(tokenizer, tmp_path):
     path = tmp_path / "chunk.jsonl.gz"
     with gzip.open(path, "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
-    conversations, skipped = answered_conversations(path, tokenizer)
+    conversations, skipped = answered_conversations(path, tokenizer, {end})
     reply = {"role": "assistant", "content": "A closure keeps its scope."}
     assert conversations == [[{"role": "user", "content": "What is a closure?"}, reply], [*turns, reply]]
     assert skipped == {"answer cut off": 1, "empty answer": 1}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(rows[0]) + "\n{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:2"):
-        answered_conversations(bad, tokenizer)
+        answered_conversations(bad, tokenizer, {end})
     with pytest.raises(ValueError, match="not written by generate"):
         (tmp_path / "other.jsonl").write_text('{"text": "hello"}\n')
-        answered_conversations(tmp_path / "other.jsonl", tokenizer)
+        answered_conversations(tmp_path / "other.jsonl", tokenizer, {end})
 
 
 def test_generate_refuses_follow_ups_without_a_finished_answer_before_serving(tmp_path, capsys):
@@ -269,3 +269,33 @@ def test_generate_refuses_follow_ups_without_a_finished_answer_before_serving(tm
         main([*out, "--follow-ups", str(tmp_path / "missing.jsonl.gz")])
     assert "--follow-ups" in capsys.readouterr().err
     assert not (tmp_path / "generate-server.log").exists()
+
+
+def test_stop_ids_include_the_templates_end_of_turn_when_not_marked_special(tmp_path):
+    """SmolLM2's tokenizer marks only <|im_start|> and <|endoftext|> special, while its answers end with
+    <|im_end|>: the end of an assistant turn comes from the chat template and the model's config."""
+    from transformers import AutoTokenizer
+
+    from sglang_dart.train.generate import stop_token_ids
+
+    target = tmp_path / "target"
+    build_tokenizer(target)
+    real = AutoTokenizer.from_pretrained(target)
+    end = real.convert_tokens_to_ids("<|im_end|>")
+
+    class EndNotSpecial:  # the tokenizer as SmolLM2's has it: <|im_end|> a plain token
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, *args, **kwargs):
+            return real(*args, **kwargs)
+
+        @property
+        def all_special_ids(self):
+            return [i for i in real.all_special_ids if i != end]
+
+    tokenizer = EndNotSpecial()
+    assert end not in tokenizer.all_special_ids
+    assert end in stop_token_ids(tokenizer, target)  # from the template alone (no config.json here)
+    (target / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
+    assert {7, 9, end} <= stop_token_ids(tokenizer, target)
