@@ -213,26 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             magpie.user_turn_prefix(tokenizer, args.magpie_system)
         except ValueError as exc:
             p.error(f"--magpie: {exc}")
-    answered: list[list[dict[str, str]]] = []
-    if args.follow_ups is not None and not resume:
-        try:
-            skipped_rows: Counter = Counter()
-            stop_ids = stop_token_ids(tokenizer, args.target)
-            for path in args.follow_ups:
-                found, skipped = answered_conversations(path, tokenizer, stop_ids)
-                answered += found
-                skipped_rows += skipped
-            if answered:
-                magpie.follow_up_prefix(tokenizer, answered[0])
-        except (OSError, EOFError, ValueError) as exc:  # EOFError: a gzip file cut short
-            p.error(f"--follow-ups: {exc}")
-        if not answered:
-            p.error("--follow-ups: the files hold no finished answer")
-        if args.num_follow_ups is not None and args.num_follow_ups < len(answered):
-            chosen = sorted(random.Random(args.seed).sample(range(len(answered)), args.num_follow_ups))
-            answered = [answered[i] for i in chosen]
-        if skipped_rows:
-            print(f"--follow-ups: skipped {dict(skipped_rows)}", file=sys.stderr)
+    answered = _answers_to_follow_up(p, args, tokenizer) if args.follow_ups is not None and not resume else []
     count = tokens = 0
     # The server runs in its own session; a plain SIGTERM would end this process and leave it running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -270,6 +251,33 @@ def main(argv: list[str] | None = None) -> None:
             raise
     partial.replace(args.out)
     print(f"wrote {len(done) + count} conversations ({tokens} generated tokens this run) to {args.out}")
+
+
+def _answers_to_follow_up(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, tokenizer: Any
+) -> list[list[dict[str, str]]]:
+    """The finished answers of --follow-ups (a --seed sample of --num-follow-ups of them), as conversations;
+    a file that cannot be read or holds none is refused before any server starts."""
+    answered: list[list[dict[str, str]]] = []
+    skipped_rows: Counter = Counter()
+    try:
+        stop_ids = stop_token_ids(tokenizer, args.target)
+        for path in args.follow_ups:
+            found, skipped = answered_conversations(path, tokenizer, stop_ids)
+            answered += found
+            skipped_rows += skipped
+        if answered:
+            magpie.follow_up_prefix(tokenizer, answered[0])
+    except (OSError, EOFError, ValueError) as exc:  # EOFError: a gzip file cut short
+        parser.error(f"--follow-ups: {exc}")
+    if not answered:
+        parser.error("--follow-ups: the files hold no finished answer")
+    if skipped_rows:
+        print(f"--follow-ups: skipped {dict(skipped_rows)}", file=sys.stderr)
+    if args.num_follow_ups is not None and args.num_follow_ups < len(answered):
+        chosen = sorted(random.Random(args.seed).sample(range(len(answered)), args.num_follow_ups))
+        answered = [answered[i] for i in chosen]
+    return answered
 
 
 def stop_token_ids(tokenizer: Any, target: Path) -> set[int]:
