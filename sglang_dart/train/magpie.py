@@ -70,6 +70,38 @@ def rejection(prompt: str, finished: bool, markers: tuple[str, ...]) -> str | No
     return None
 
 
+class _Screen:
+    """Sampled user turns checked one by one: `rejection`'s reasons, then excluded and duplicate texts
+    (case and spacing aside); every skip is counted by reason."""
+
+    def __init__(self, tokenizer: Any, exclude: set[str] | None) -> None:
+        self.tokenizer = tokenizer
+        self.markers = tuple(t for t in tokenizer.all_special_tokens if t and len(t) > 1)
+        self.excluded = {normalized(p) for p in exclude or ()}
+        self.seen: set[str] = set()
+        self.skipped: Counter = Counter()
+
+    def keep(self, out: dict[str, Any]) -> str | None:
+        """The server output's text, stripped, if it is kept as a user turn; None (and counted) if not."""
+        text = (
+            out["text"]
+            if "text" in out
+            else self.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+        )
+        finished = (out.get("meta_info", {}).get("finish_reason") or {}).get("type") == "stop"
+        reason = rejection(text, finished, self.markers)
+        key = normalized(text)
+        if reason is None and key in self.excluded:
+            reason = "excluded"
+        if reason is None and key in self.seen:
+            reason = "duplicate"
+        if reason is not None:
+            self.skipped[reason] += 1
+            return None
+        self.seen.add(key)
+        return text.strip()
+
+
 def sample_prompts(
     server: Any,
     tokenizer: Any,
@@ -89,11 +121,8 @@ def sample_prompts(
     kept (the caller saves it, so an interrupted run keeps what it sampled). `system` frames the sampled
     turns only (see `user_turn_prefix`); the answers are generated without it."""
     prefix = user_turn_prefix(tokenizer, system)
-    markers = tuple(t for t in tokenizer.all_special_tokens if t and len(t) > 1)
-    excluded = {normalized(p) for p in exclude or ()}
-    seen: set[str] = set()
+    screen = _Screen(tokenizer, exclude)
     kept: list[str] = []
-    skipped: Counter = Counter()
     for _ in range(max_rounds):
         wanted = count - len(kept)
         if wanted <= 0:
@@ -103,27 +132,14 @@ def sample_prompts(
         # A loaded machine (a niced run beside tests) can hold a request for many minutes; an hour's
         # timeout keeps such a run slow instead of losing its round.
         for out in server.generate_many([prefix] * batch, params, concurrency, timeout=3600):
-            text = (
-                out["text"]
-                if "text" in out
-                else tokenizer.decode(out["output_ids"], skip_special_tokens=True)
-            )
-            finished = (out.get("meta_info", {}).get("finish_reason") or {}).get("type") == "stop"
-            reason = rejection(text, finished, markers)
-            key = normalized(text)
-            if reason is None and key in excluded:
-                reason = "excluded"
-            if reason is None and key in seen:
-                reason = "duplicate"
-            if reason is not None:
-                skipped[reason] += 1
+            text = screen.keep(out)
+            if text is None:
                 continue
-            seen.add(key)
             if len(kept) < count:
-                kept.append(text.strip())
+                kept.append(text)
                 if on_kept is not None:
                     on_kept(kept[-1])
-    return kept, skipped
+    return kept, screen.skipped
 
 
 def sample_follow_ups(
@@ -143,11 +159,8 @@ def sample_follow_ups(
     excluded prompt or to an earlier kept one is skipped). A conversation whose sample is skipped is tried
     again in the next round, up to `max_rounds`. Returns the conversations extended by their follow-up
     (ready to be answered), in the order given, and the skip counts by reason."""
-    markers = tuple(t for t in tokenizer.all_special_tokens if t and len(t) > 1)
-    excluded = {normalized(p) for p in exclude or ()}
-    seen: set[str] = set()
+    screen = _Screen(tokenizer, exclude)
     kept: dict[int, list[dict[str, str]]] = {}
-    skipped: Counter = Counter()
     todo = list(range(len(conversations)))
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
     for _ in range(max_rounds):
@@ -157,25 +170,12 @@ def sample_follow_ups(
         outs = server.generate_many(prefixes, params, concurrency, timeout=3600)
         retry = []
         for i, out in zip(todo, outs, strict=True):
-            text = (
-                out["text"]
-                if "text" in out
-                else tokenizer.decode(out["output_ids"], skip_special_tokens=True)
-            )
-            finished = (out.get("meta_info", {}).get("finish_reason") or {}).get("type") == "stop"
-            reason = rejection(text, finished, markers)
-            key = normalized(text)
-            if reason is None and key in excluded:
-                reason = "excluded"
-            if reason is None and key in seen:
-                reason = "duplicate"
-            if reason is not None:
-                skipped[reason] += 1
+            text = screen.keep(out)
+            if text is None:
                 retry.append(i)
                 continue
-            seen.add(key)
-            kept[i] = [*conversations[i], {"role": "user", "content": text.strip()}]
+            kept[i] = [*conversations[i], {"role": "user", "content": text}]
             if on_kept is not None:
                 on_kept(kept[i])
         todo = retry
-    return [kept[i] for i in sorted(kept)], skipped
+    return [kept[i] for i in sorted(kept)], screen.skipped
