@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,9 +12,11 @@ from typing import Any
 JSONL_SUFFIXES = frozenset({".jsonl", ".json", ".ndjson"})
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) for every non-blank line; ValueError naming the line on bad JSON."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+def iter_jsonl(path: Path, gzipped: bool = False) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for every non-blank line; ValueError naming the line on bad JSON.
+    `gzipped`: the file is gzip-compressed (a damaged one raises OSError or EOFError)."""
+    opener = gzip.open if gzipped else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

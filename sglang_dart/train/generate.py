@@ -27,7 +27,6 @@ are the target's own (speculation is lossless), only sooner.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import signal
@@ -39,6 +38,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
+from sglang_dart.jsonl import iter_jsonl
 from sglang_dart.train import magpie
 from sglang_dart.train.conversations import read_prompts, templated_ids
 from sglang_dart.train.prompts import training_prompts
@@ -309,7 +309,7 @@ def answered_conversations(
     `messages`, or its single `prompt` turn, then the answer), and the rows left out by reason (cut off by
     the token budget, empty)."""
     conversations, skipped = [], Counter()
-    for row in _generated_rows(path):
+    for _, row in iter_jsonl(path, gzipped=path.suffix == ".gz"):
         if not isinstance(row, dict) or not {"prompt", "input_ids", "prompt_len"} <= row.keys():
             raise ValueError(f"{path}: a row without prompt/input_ids/prompt_len (not written by generate)")
         messages = row.get("messages", [{"role": "user", "content": row["prompt"]}])
@@ -325,18 +325,6 @@ def answered_conversations(
         else:
             skipped["empty answer"] += 1
     return conversations, skipped
-
-
-def _generated_rows(path: Path) -> Iterator[Any]:
-    """The rows of a finished generation file, plain or gzipped; ValueError naming a line that is not JSON."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
 
 
 def _follow_up_prompts(
