@@ -276,31 +276,8 @@ def test_training_logs_progress_lines(capsys):
 def test_a_bad_soft_weight_is_refused_before_any_work(tmp_path):
     from sglang_dart.train.__main__ import main
 
+    paths = ["--target", str(tmp_path), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")]
     with pytest.raises(SystemExit, match="between 0 and 1"):
-        main(
-            [
-                "--target",
-                str(tmp_path),
-                "--data",
-                str(tmp_path / "d.jsonl"),
-                "--out",
-                str(tmp_path / "o"),
-                "--soft-weight",
-                "1.5",
-            ]
-        )
+        main([*paths, "--soft-weight", "1.5"])
     with pytest.raises(SystemExit, match="DART's loss only"):
-        main(
-            [
-                "--target",
-                str(tmp_path),
-                "--data",
-                str(tmp_path / "d.jsonl"),
-                "--out",
-                str(tmp_path / "o"),
-                "--format",
-                "eagle3",
-                "--soft-weight",
-                "0.5",
-            ]
-        )
+        main([*paths, "--format", "eagle3", "--soft-weight", "0.5"])
