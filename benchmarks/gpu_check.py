@@ -50,6 +50,10 @@ PROMPTS = [
 ]
 
 
+# Servers whose failure is recorded and does not stop the check: the peer timed beside DART.
+OPTIONAL = ("eagle3",)
+
+
 def _chat_ids(model: Path, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -119,18 +123,35 @@ def _tau(outs: list[dict]) -> float:
     return sum(values) / len(values) if values else 1.0
 
 
-def _servers_side_by_side(specs: dict[str, list[str]], args: argparse.Namespace) -> dict[str, SglangServer]:
+def _servers_side_by_side(
+    specs: dict[str, list[str]], args: argparse.Namespace, report: dict | None = None, optional: tuple = ()
+) -> dict[str, SglangServer]:
     """Start the servers at once (a GPU holds them all; each sizes its KV pool from the memory free when
-    it profiles, so --max-total-tokens keeps them from racing for it)."""
+    it profiles, so --max-total-tokens keeps them from racing for it). A server named in `optional` that
+    fails to start is recorded in report["errors"] and left out; any other failure stops them all."""
     servers = {
         name: SglangServer(args.model, extra, args.out / f"{name}.log") for name, extra in specs.items()
     }
-    try:
-        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-            list(pool.map(lambda s: s.start(timeout=args.start_timeout), servers.values()))
-    except BaseException:
-        _stop(servers)
-        raise
+
+    def start(item: tuple[str, SglangServer]) -> BaseException | None:
+        try:
+            item[1].start(timeout=args.start_timeout)
+        except Exception as exc:  # noqa: BLE001 - sorted below: optional servers may fail
+            return exc
+        return None
+
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        failures = dict(zip(servers, pool.map(start, servers.items()), strict=True))
+    for name, exc in failures.items():
+        if exc is None:
+            continue
+        if name not in optional:
+            _stop(servers)
+            raise exc
+        servers.pop(name).stop()
+        if report is not None:
+            report.setdefault("errors", {})[f"{name} start"] = repr(exc)[:2000]
+        print(f"{name} did not start ({exc!r}); going on without it", flush=True)
     return servers
 
 
@@ -149,10 +170,11 @@ def _greedy_and_timings(
     if args.eagle3_draft:
         specs["eagle3"] = common + [
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.eagle3_draft,
+            *shlex.split(args.eagle3_args),
         ]  # fmt: skip
-    servers = _servers_side_by_side(specs, args)
+    servers = _servers_side_by_side(specs, args, report, optional=OPTIONAL)
     try:
-        outs = {name: _run(s, prompts[:32], greedy, 8)[0] for name, s in servers.items()}
+        outs = _each(servers, report, lambda s: _run(s, prompts[:32], greedy, 8)[0])
         report["greedy_parity"] = _parity(outs["plain"], outs["dart"])
         # The yardstick for that figure: plain decoding against itself, one request at a time instead of
         # eight (other kernels and batch shapes, same model). A target whose greedy tokens are near-ties
@@ -160,23 +182,45 @@ def _greedy_and_timings(
         one_by_one = _run(servers["plain"], prompts[:32], greedy, 1)[0]
         report["plain_self_parity"] = _parity(outs["plain"], one_by_one)
         report["tau"] = _tau(outs["dart"])
+        if "eagle3" in outs:
+            report["eagle3_greedy_parity"] = _parity(outs["plain"], outs["eagle3"])
+            report["eagle3_tau"] = _tau(outs["eagle3"])
         _save(args, report)
         timings: dict = {}
         for bs in args.batch_sizes:
             batch = prompts[: max(bs, 8)]
-            row, done = {}, {}
-            for name, server in servers.items():
+
+            def timed(server: SglangServer, batch: list = batch, bs: int = bs) -> tuple[list, float]:
                 _run(server, batch[:bs], greedy, bs)  # warm-up at this batch size (graphs, caches)
-                done[name], seconds = _run(server, batch, greedy, bs)
-                row[name] = sum(len(o["output_ids"]) for o in done[name]) / seconds
+                return _run(server, batch, greedy, bs)
+
+            done = _each(servers, report, timed)
+            row = {name: sum(len(o["output_ids"]) for o in out) / secs for name, (out, secs) in done.items()}
             timings[bs] = {name: {"tok_s": v, "vs_plain": v / row["plain"]} for name, v in row.items()}
-            timings[bs]["dart"]["tau"] = _tau(done["dart"])
+            for name in done.keys() - {"plain"}:
+                timings[bs][name]["tau"] = _tau(done[name][0])
             print(f"batch {bs}: " + ", ".join(f"{n} {v['tok_s']:.1f} tok/s ({v['vs_plain']:.2f}x)"
                                               for n, v in timings[bs].items()), flush=True)  # fmt: skip
             report["timings"] = timings
             _save(args, report)
     finally:
         _stop(servers)
+
+
+def _each(servers: dict[str, SglangServer], report: dict, work):  # noqa: ANN001, ANN202
+    """work(server) for each server, by name; an optional server that fails is recorded and stopped, and
+    the others go on (a failure of any other server raises)."""
+    results = {}
+    for name in list(servers):
+        try:
+            results[name] = work(servers[name])
+        except Exception as exc:  # noqa: BLE001 - optional servers may fail
+            if name not in OPTIONAL:
+                raise
+            servers.pop(name).stop()
+            report.setdefault("errors", {})[name] = repr(exc)[:2000]
+            print(f"{name} failed ({exc!r}); going on without it", flush=True)
+    return results
 
 
 def _float32_parity(args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict) -> None:
@@ -247,7 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--draft")
     parser.add_argument("--store")
-    parser.add_argument("--eagle3-draft")
+    parser.add_argument("--eagle3-draft", help="an EAGLE3 drafter: a third server, timed beside DART")
+    parser.add_argument(
+        "--eagle3-args",
+        default="--speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8",
+        help="the EAGLE3 server's settings (default: the best of peers runs 8-9 on CPU)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", help="for every server (default: SGLang's; DART's on DART)")
     parser.add_argument("--server-args", default="", help="more flags for every server, one string")
@@ -321,6 +370,8 @@ def _finish(args: argparse.Namespace, report: dict) -> int:
         "greedy_parity",
         "plain_self_parity",
         "tau",
+        "eagle3_greedy_parity",
+        "eagle3_tau",
         "float32_greedy_parity",
         "float32_tau",
         "seeded_sampling_parity",

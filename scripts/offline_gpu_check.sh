@@ -3,7 +3,10 @@
 # device machines this project is lent). Carried beside the checkout, in .gpu/ (git-ignored):
 #   .gpu/bundle.tar.xz  scripts/offline_bundle.py's output (SGLang and what the host lacks);
 #   .gpu/smol.tar.xz    a model directory without weights (config, tokenizer): the target gets random weights;
-#   sglang_dart/_core.abi3.so  the Rust extension built here (abi3: any Python >= 3.10).
+#   sglang_dart/_core.abi3.so  the Rust extension built here (abi3: any Python >= 3.10);
+#   or, in place of the first two, .gpu/payload/ (scripts/offline_payload.py pack: the bundle, a model
+#   directory with its real weights, a drafter `draft/`, a `*.store`, an EAGLE3 drafter `eagle3/`), its parts
+#   spread over calls.
 # Building the bundle here (network to PyPI; ~8 minutes), with the host's package names in HOST_PKGS.txt:
 #   python3.12 -m venv /tmp/py312 && /tmp/py312/bin/pip install -c constraints.txt -e ".[test]"
 #   /tmp/py312/bin/python scripts/offline_bundle.py --site /tmp/py312/lib/python3.12/site-packages \
@@ -17,7 +20,19 @@ cd "$(dirname "$0")/.."
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}
 PY=${PY:-python3}
-mkdir -p "$OUT" && tar -C .gpu -xJf .gpu/smol.tar.xz || exit 3
+mkdir -p "$OUT"
+# A payload (scripts/offline_payload.py pack: the bundle, a model directory with real weights, a drafter,
+# a store) travels as parts over several calls on a warm machine: each call leaves its parts in
+# /tmp/payload-parts; the call that completes them rebuilds the files in /tmp/payload and runs the checks.
+if [ -f .gpu/payload/parts.json ]; then
+    mkdir -p /tmp/payload-parts && cp .gpu/payload/part-* /tmp/payload-parts/ 2>/dev/null
+    if [ ! -d /tmp/payload ]; then
+        $PY scripts/offline_payload.py unpack --manifest .gpu/payload/parts.json --parts /tmp/payload-parts \
+            --dest /tmp/payload.tmp || exit 0  # parts still missing: this call only carried some
+        mv /tmp/payload.tmp /tmp/payload && rm -rf /tmp/payload-parts
+    fi
+    [ -f /tmp/payload/bundle.tar.xz ] && ln -sf /tmp/payload/bundle.tar.xz .gpu/bundle.tar.xz
+fi
 # A bundle larger than one call carries travels as `split` parts: earlier calls leave theirs in
 # /tmp/bundle-parts (run `mkdir -p /tmp/bundle-parts && cp .gpu/bundle.part-* /tmp/bundle-parts/`), the
 # last call carries the rest in .gpu/.
@@ -25,6 +40,17 @@ if [ ! -f .gpu/bundle.tar.xz ] && ls .gpu/bundle.part-* >/dev/null 2>&1; then
     mkdir -p /tmp/bundle-parts && cp .gpu/bundle.part-* /tmp/bundle-parts/ && cat /tmp/bundle-parts/bundle.part-* > .gpu/bundle.tar.xz
 fi
 if [ ! -d /tmp/site/sglang ]; then mkdir -p /tmp/site && tar -C /tmp/site -xJf .gpu/bundle.tar.xz || exit 3; fi
+# The target: a carried model directory with its weights (MODEL), else .gpu/smol.tar.xz's config and
+# tokenizer with random weights. The drafter and store: carried ones (DRAFT, STORE), else random ones.
+MODEL=${MODEL:-$(ls -d /tmp/payload/*/tokenizer.json 2>/dev/null | head -1 | xargs -r dirname)}  # drafters have none
+if [ -n "$MODEL" ]; then TARGET=(--model "$MODEL"); else
+    tar -C .gpu -xJf .gpu/smol.tar.xz || exit 3; TARGET=(--random-target-like .gpu/smol); fi
+DRAFT=${DRAFT:-$(ls -d /tmp/payload/draft 2>/dev/null)}
+STORE=${STORE:-$(ls /tmp/payload/*.store 2>/dev/null | head -1)}
+ASSETS=(); [ -n "$DRAFT" ] && [ -n "$STORE" ] && ASSETS=(--draft "$DRAFT" --store "$STORE")
+EAGLE3=${EAGLE3:-$(ls -d /tmp/payload/eagle3 2>/dev/null)}  # an EAGLE3 drafter: timed beside DART
+[ -n "$EAGLE3" ] && ASSETS+=(--eagle3-draft "$EAGLE3")
+echo "target ${TARGET[*]}; drafter ${ASSETS[*]:-random}"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
 echo "python $($PY --version 2>&1), $(nproc) cores, nvcc $(command -v nvcc), unpacked after $(( $(date +%s)-T0 ))s"
@@ -62,7 +88,7 @@ PYEOF
 done; wait
 echo "prewarm done after $(( $(date +%s)-T0 ))s"
 ATTN=${ATTN:-triton}
-timeout "${GC_TIMEOUT:-420}" $PY benchmarks/gpu_check.py --random-target-like .gpu/smol \
+timeout "${GC_TIMEOUT:-420}" $PY benchmarks/gpu_check.py "${TARGET[@]}" "${ASSETS[@]}" \
     ${ATTN:+--attention-backend "$ATTN"} \
     --server-args "${SERVER_ARGS:---mem-fraction-static 0.2 --max-total-tokens 300000 --cuda-graph-max-bs 64}" \
     --start-timeout "${START_TIMEOUT:-180}" --out /tmp/gc "$@"
