@@ -117,6 +117,42 @@ def _parity(plain: list[dict], dart: list[dict]) -> dict:
     return {"identical": same, "of": len(plain), "first_difference_at": first_diffs}
 
 
+def _margins_at_differences(
+    server: SglangServer, prompts: list[list[int]], plain: list[dict], other: list[dict], new_tokens: int
+) -> list[dict]:
+    """For each output that differs from plain's: plain's margin there (its top-1 minus top-2 log-prob at
+    the first differing position, asked again with logprobs) and whether the other output took plain's
+    second choice. A correct verify departs from plain only at near-ties (a margin near rounding); a
+    broken one departs at confident tokens."""
+    found = []
+    for ids, a, b in zip(prompts, plain, other, strict=True):
+        x, y = a["output_ids"], b["output_ids"]
+        if x == y:
+            continue
+        at = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), None)
+        if at is None:
+            continue  # one output is a prefix of the other: a length difference, no token to weigh
+        out = server.generate(
+            {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": min(at + 1, new_tokens), "temperature": 0.0,
+                                    "ignore_eos": True},
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+            }
+        )  # fmt: skip
+        top = out["meta_info"]["output_top_logprobs"][at]
+        found.append(
+            {
+                "at": at,
+                "margin": top[0][0] - top[1][0],
+                "replayed_same_token": top[0][1] == x[at],
+                "other_took_second_choice": top[1][1] == y[at],
+            }
+        )
+    return found
+
+
 def _tau(outs: list[dict]) -> float:
     values = [o["meta_info"].get("spec_accept_length") for o in outs]
     values = [v for v in values if v]
@@ -181,6 +217,12 @@ def _greedy_and_timings(
         # in this dtype (random weights) differs from itself too.
         one_by_one = _run(servers["plain"], prompts[:32], greedy, 1)[0]
         report["plain_self_parity"] = _parity(outs["plain"], one_by_one)
+        report["margins_at_differences"] = _margins_at_differences(
+            servers["plain"], prompts[:32], outs["plain"], outs["dart"], args.new_tokens
+        )
+        report["plain_self_margins_at_differences"] = _margins_at_differences(
+            servers["plain"], prompts[:32], outs["plain"], one_by_one, args.new_tokens
+        )
         report["tau"] = _tau(outs["dart"])
         if "eagle3" in outs:
             report["eagle3_greedy_parity"] = _parity(outs["plain"], outs["eagle3"])
@@ -239,6 +281,9 @@ def _float32_parity(args: argparse.Namespace, common: list[str], dart_args: list
     try:
         outs = {name: _run(s, prompts, greedy, 8)[0] for name, s in servers.items()}
         report["float32_greedy_parity"] = _parity(outs["plain-f32"], outs["dart-f32"])
+        report["float32_margins_at_differences"] = _margins_at_differences(
+            servers["plain-f32"], prompts, outs["plain-f32"], outs["dart-f32"], args.new_tokens
+        )
         report["float32_tau"] = _tau(outs["dart-f32"])
     finally:
         _stop(servers)
@@ -373,6 +418,7 @@ def _finish(args: argparse.Namespace, report: dict) -> int:
         "eagle3_greedy_parity",
         "eagle3_tau",
         "float32_greedy_parity",
+        "float32_margins_at_differences",
         "float32_tau",
         "seeded_sampling_parity",
         "errors",

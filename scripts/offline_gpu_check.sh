@@ -13,8 +13,8 @@
 #       --out .gpu/bundle.tar.xz --host-packages HOST_PKGS.txt
 # FlashInfer builds its norm and sampling modules on the host at first use (nvcc): allow minutes for it.
 # Output: $OUT/gpu_check.json and $OUT/logs.tar.gz (every server's log). Environment knobs: ATTN (attention
-# backend, default triton: no JIT build), SERVER_ARGS, GC_TIMEOUT, START_TIMEOUT, SKIP_SMOKE=1, PREWARM; extra
-# arguments go to gpu_check.py (e.g. --checks greedy).
+# backend, default triton: no JIT build), SERVER_ARGS, DEADLINE or GC_TIMEOUT, START_TIMEOUT, SKIP_SMOKE=1, PREWARM, MODEL,
+# DRAFT, STORE, EAGLE3 (=off: no EAGLE3 server); extra arguments go to gpu_check.py (e.g. --checks greedy).
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -49,7 +49,7 @@ DRAFT=${DRAFT:-$(ls -d /tmp/payload/draft 2>/dev/null)}
 STORE=${STORE:-$(ls /tmp/payload/*.store 2>/dev/null | head -1)}
 ASSETS=(); [ -n "$DRAFT" ] && [ -n "$STORE" ] && ASSETS=(--draft "$DRAFT" --store "$STORE")
 EAGLE3=${EAGLE3:-$(ls -d /tmp/payload/eagle3 2>/dev/null)}  # an EAGLE3 drafter: timed beside DART
-[ -n "$EAGLE3" ] && ASSETS+=(--eagle3-draft "$EAGLE3")
+[ -n "$EAGLE3" ] && [ "$EAGLE3" != off ] && ASSETS+=(--eagle3-draft "$EAGLE3")
 echo "target ${TARGET[*]}; drafter ${ASSETS[*]:-random}"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
@@ -88,11 +88,17 @@ PYEOF
 done; wait
 echo "prewarm done after $(( $(date +%s)-T0 ))s"
 ATTN=${ATTN:-triton}
-timeout "${GC_TIMEOUT:-420}" $PY benchmarks/gpu_check.py "${TARGET[@]}" "${ASSETS[@]}" \
+# The checks stop in time for their results to come back: DEADLINE is the device call's limit (seconds from
+# this script's start); 30 s stay for stopping the servers (SIGTERM, then SIGKILL after 10 s) and the copy
+# below. (A call that ran past its limit returned nothing.)
+GC_TIMEOUT=${GC_TIMEOUT:-$(( ${DEADLINE:-540} - ($(date +%s) - T0) - 30 ))}
+echo "checks get ${GC_TIMEOUT}s"
+timeout -k 10 "$GC_TIMEOUT" $PY benchmarks/gpu_check.py "${TARGET[@]}" "${ASSETS[@]}" \
     ${ATTN:+--attention-backend "$ATTN"} \
     --server-args "${SERVER_ARGS:---mem-fraction-static 0.2 --max-total-tokens 300000 --cuda-graph-max-bs 64}" \
     --start-timeout "${START_TIMEOUT:-180}" --out /tmp/gc "$@"
 rc=$?
 cp /tmp/gc/gpu_check.json "$OUT/" 2>/dev/null
-(cd /tmp/gc && tar -czf "$OUT/logs.tar.gz" ./*.log) 2>/dev/null
+# Every server's log, and the pstats of SGLANG_DART_CPROFILE=/tmp/gc/NAME.prof where one was asked for.
+(cd /tmp/gc && tar -czf "$OUT/logs.tar.gz" ./*.log $(ls ./*.prof 2>/dev/null)) 2>/dev/null
 echo "gpu_check rc=$rc after $(( $(date +%s)-T0 ))s"

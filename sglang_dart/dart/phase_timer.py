@@ -4,10 +4,17 @@ verify, acceptance, draft forward, pruning, ...) for each batch size it ran, plu
 the interval since the previous decode step ended (the scheduler's own work: result processing, batch
 upkeep, streaming; and the worker's code outside the named phases). Prefills (the target's extend and
 the draft after it) belong to no step: they are reported apart, as their count and mean milliseconds.
-Off by default; then it costs one attribute check."""
+Off by default; then it costs one attribute check.
+
+SGLANG_DART_CPROFILE=PATH runs cProfile over the scheduler thread (the worker and the scheduler's own
+per-step work) for SGLANG_DART_CPROFILE_STEPS decode steps (default 300) after the first
+SGLANG_DART_CPROFILE_START (default 200), and writes the pstats to PATH ("{pid}" in it becomes the
+process id): where a host-bound step's time goes, function by function (on a GPU the step waits on the
+host, not on kernels)."""
 
 from __future__ import annotations
 
+import cProfile
 import logging
 import os
 import time
@@ -20,8 +27,34 @@ logger = logging.getLogger(__name__)
 OUTSIDE = "outside"
 
 
+class StepCProfile:
+    """cProfile of decode steps START..START+STEPS, written once (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.path = os.environ.get("SGLANG_DART_CPROFILE") or None
+        self.start = int(os.environ.get("SGLANG_DART_CPROFILE_START", "200"))
+        self.stop = self.start + int(os.environ.get("SGLANG_DART_CPROFILE_STEPS", "300"))
+        self._steps = 0
+        self._profile: cProfile.Profile | None = None
+
+    def step_done(self) -> None:
+        if self.path is None:
+            return
+        self._steps += 1
+        if self._steps == self.start:
+            self._profile = cProfile.Profile()
+            self._profile.enable()
+        elif self._steps == self.stop and self._profile is not None:
+            self._profile.disable()
+            path = self.path.replace("{pid}", str(os.getpid()))
+            self._profile.dump_stats(path)
+            logger.info("DART cProfile of decode steps %d-%d written to %s", self.start, self.stop, path)
+            self.path, self._profile = None, None
+
+
 class PhaseTimer:
     def __init__(self, enabled: bool | None = None, every: int | None = None) -> None:
+        self.cprofile = StepCProfile()
         self.enabled = os.environ.get("SGLANG_DART_PROFILE") == "1" if enabled is None else enabled
         self.every = every or int(os.environ.get("SGLANG_DART_PROFILE_EVERY", "50"))
         self._step: dict[str, float] = defaultdict(float)  # the phases of the step under way
@@ -45,6 +78,7 @@ class PhaseTimer:
             self._step[name] += time.perf_counter() - start
 
     def step_done(self, batch_size: int) -> None:
+        self.cprofile.step_done()
         if not self.enabled:
             return
         now = time.perf_counter()

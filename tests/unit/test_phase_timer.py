@@ -78,3 +78,25 @@ def test_prefills_are_reported_apart_with_their_draft_share():
     prefill = report.split("prefill x1: ")[1]
     assert float(prefill.split(" ")[0]) == 10.0
     assert float(prefill.split("draft ")[1].rstrip(")")) >= 2.0
+
+
+def test_cprofile_covers_the_chosen_steps_and_is_written_once(tmp_path, monkeypatch):
+    import pstats
+
+    path = tmp_path / "dart-{pid}.prof"
+    monkeypatch.setenv("SGLANG_DART_CPROFILE", str(path))
+    monkeypatch.setenv("SGLANG_DART_CPROFILE_START", "2")
+    monkeypatch.setenv("SGLANG_DART_CPROFILE_STEPS", "3")
+    timer = PhaseTimer(enabled=False)
+
+    def marker_in_profiled_steps() -> None:
+        time.sleep(0.001)
+
+    for _ in range(8):
+        marker_in_profiled_steps()
+        timer.step_done(1)
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("dart-") and "{pid}" not in files[0].name
+    stats = pstats.Stats(str(files[0]))
+    calls = {fn[2]: v[0] for fn, v in stats.stats.items()}
+    assert calls.get("marker_in_profiled_steps") == 3  # the 3 steps after the first 2
