@@ -11,10 +11,16 @@
 #   python3.12 -m venv /tmp/py312 && /tmp/py312/bin/pip install -c constraints.txt -e ".[test]"
 #   /tmp/py312/bin/python scripts/offline_bundle.py --site /tmp/py312/lib/python3.12/site-packages \
 #       --out .gpu/bundle.tar.xz --host-packages HOST_PKGS.txt
+# The payload (run 3: five calls of about 6 s, then the checks), from a directory named eagle3/ for the
+# EAGLE3 drafter; a part may be as large as 64 MiB less the working tree every call carries and the .so:
+#   python scripts/offline_payload.py pack --out .gpu/payload --part-mib 59 .gpu/bundle.tar.xz \
+#       MODEL_DIR DRAFT_DIR STORE [eagle3]
+#   then one call per part, each carrying .gpu/payload/parts.json and its part (the last one the .so too):
+#   OUT=$OUT DEADLINE=<the call's timeout_s> bash scripts/offline_gpu_check.sh [gpu_check.py arguments]
 # FlashInfer builds its norm and sampling modules on the host at first use (nvcc): allow minutes for it.
 # Output: $OUT/gpu_check.json and $OUT/logs.tar.gz (every server's log). Environment knobs: ATTN (attention
-# backend, default triton: no JIT build), SERVER_ARGS, DEADLINE or GC_TIMEOUT, START_TIMEOUT, SKIP_SMOKE=1, PREWARM, MODEL,
-# DRAFT, STORE, EAGLE3 (=off: no EAGLE3 server); extra arguments go to gpu_check.py (e.g. --checks greedy).
+# backend, default triton: no JIT build), SERVER_ARGS, DEADLINE or GC_TIMEOUT, START_TIMEOUT, SKIP_SMOKE=1,
+# PREWARM, MODEL, DRAFT, STORE, EAGLE3 (=off: no EAGLE3 server); extra arguments go to gpu_check.py.
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
