@@ -32,7 +32,7 @@ class StepCProfile:
 
     def __init__(self) -> None:
         self.path = os.environ.get("SGLANG_DART_CPROFILE") or None
-        self.start = int(os.environ.get("SGLANG_DART_CPROFILE_START", "200"))
+        self.start = max(1, int(os.environ.get("SGLANG_DART_CPROFILE_START", "200")))
         self.stop = self.start + int(os.environ.get("SGLANG_DART_CPROFILE_STEPS", "300"))
         self._steps = 0
         self._profile: cProfile.Profile | None = None
@@ -41,14 +41,19 @@ class StepCProfile:
         if self.path is None:
             return
         self._steps += 1
-        if self._steps == self.start:
-            self._profile = cProfile.Profile()
-            self._profile.enable()
-        elif self._steps == self.stop and self._profile is not None:
-            self._profile.disable()
-            path = self.path.replace("{pid}", str(os.getpid()))
-            self._profile.dump_stats(path)
-            logger.info("DART cProfile of decode steps %d-%d written to %s", self.start, self.stop, path)
+        # A diagnostic never stops serving: a profiler already active or an unwritable path is logged.
+        try:
+            if self._steps == self.start:
+                self._profile = cProfile.Profile()
+                self._profile.enable()
+            elif self._steps == self.stop and self._profile is not None:
+                self._profile.disable()
+                path = self.path.replace("{pid}", str(os.getpid()))
+                self._profile.dump_stats(path)
+                logger.info("DART cProfile of decode steps %d-%d written to %s", self.start, self.stop, path)
+                self.path, self._profile = None, None
+        except (OSError, ValueError) as exc:
+            logger.warning("SGLANG_DART_CPROFILE: no profile (%s)", exc)
             self.path, self._profile = None, None
 
 
