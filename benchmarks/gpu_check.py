@@ -160,11 +160,11 @@ def _tau(outs: list[dict]) -> float:
 
 
 def _servers_side_by_side(
-    specs: dict[str, list[str]], args: argparse.Namespace, report: dict | None = None, optional: tuple = ()
+    specs: dict[str, list[str]], args: argparse.Namespace, report: dict
 ) -> dict[str, SglangServer]:
     """Start the servers at once (a GPU holds them all; each sizes its KV pool from the memory free when
-    it profiles, so --max-total-tokens keeps them from racing for it). A server named in `optional` that
-    fails to start is recorded in report["errors"] and left out; any other failure stops them all."""
+    it profiles, so --max-total-tokens keeps them from racing for it). An OPTIONAL server that fails to
+    start is recorded and left out; any other failure stops them all."""
     servers = {
         name: SglangServer(args.model, extra, args.out / f"{name}.log") for name, extra in specs.items()
     }
@@ -181,13 +181,10 @@ def _servers_side_by_side(
     for name, exc in failures.items():
         if exc is None:
             continue
-        if name not in optional:
+        if name not in OPTIONAL:
             _stop(servers)
             raise exc
-        servers.pop(name).stop()
-        if report is not None:
-            report.setdefault("errors", {})[f"{name} start"] = repr(exc)[:2000]
-        print(f"{name} did not start ({exc!r}); going on without it", flush=True)
+        _drop_optional(servers, report, name, exc)
     return servers
 
 
@@ -208,7 +205,7 @@ def _greedy_and_timings(
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.eagle3_draft,
             *shlex.split(args.eagle3_args),
         ]  # fmt: skip
-    servers = _servers_side_by_side(specs, args, report, optional=OPTIONAL)
+    servers = _servers_side_by_side(specs, args, report)
     try:
         outs = _each(servers, report, lambda s: _run(s, prompts[:32], greedy, 8)[0])
         report["greedy_parity"] = _parity(outs["plain"], outs["dart"])
@@ -259,10 +256,15 @@ def _each(servers: dict[str, SglangServer], report: dict, work):  # noqa: ANN001
         except Exception as exc:  # noqa: BLE001 - optional servers may fail
             if name not in OPTIONAL:
                 raise
-            servers.pop(name).stop()
-            report.setdefault("errors", {})[name] = repr(exc)[:2000]
-            print(f"{name} failed ({exc!r}); going on without it", flush=True)
+            _drop_optional(servers, report, name, exc)
     return results
+
+
+def _drop_optional(servers: dict[str, SglangServer], report: dict, name: str, exc: Exception) -> None:
+    """An OPTIONAL server failed (to start, or to serve): stop it, record why, go on without it."""
+    servers.pop(name).stop()
+    report.setdefault("errors", {})[name] = repr(exc)[:2000]
+    print(f"{name} failed ({exc!r}); going on without it", flush=True)
 
 
 def _float32_parity(args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict) -> None:
@@ -277,7 +279,7 @@ def _float32_parity(args: argparse.Namespace, common: list[str], dart_args: list
         f32 += ["--enable-deterministic-inference"]
     greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     prompts = _chat_ids(args.model, 32)
-    servers = _servers_side_by_side({"plain-f32": f32, "dart-f32": f32 + dart_args}, args)
+    servers = _servers_side_by_side({"plain-f32": f32, "dart-f32": f32 + dart_args}, args, report)
     try:
         outs = {name: _run(s, prompts, greedy, 8)[0] for name, s in servers.items()}
         report["float32_greedy_parity"] = _parity(outs["plain-f32"], outs["dart-f32"])
@@ -300,7 +302,7 @@ def _seeded_sampling(args: argparse.Namespace, common: list[str], dart_args: lis
         {"max_new_tokens": 32, "temperature": 0.8, "top_p": 0.95, "sampling_seed": seed, "ignore_eos": True}
         for seed in range(16)
     ]
-    servers = _servers_side_by_side({"plain-seeded": seeded, "dart-seeded": seeded + dart_args}, args)
+    servers = _servers_side_by_side({"plain-seeded": seeded, "dart-seeded": seeded + dart_args}, args, report)
     try:
         runs = {
             name: server.generate_many(prompts, sampled, concurrency=1) for name, server in servers.items()

@@ -69,9 +69,10 @@ def join_bf16(split_dir: Path, target: Path, expected_sha256: str) -> None:
         raise SystemExit(f"{split_dir}: {low.size} low bytes against {high.size} high bytes")
     body = np.empty(2 * low.size, dtype=np.uint8)
     body[0::2], body[1::2] = low, high
-    target.write_bytes(header + body.tobytes())
-    if _sha256(target) != expected_sha256:
+    rebuilt = header + body.tobytes()
+    if hashlib.sha256(rebuilt).hexdigest() != expected_sha256:
         raise SystemExit(f"{target}: rebuilt weights do not match their sha256")
+    target.write_bytes(rebuilt)
 
 
 def pack(inputs: list[Path], out: Path, part_mib: int, split_above_mib: int = 64) -> None:
