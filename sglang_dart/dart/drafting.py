@@ -12,22 +12,25 @@ target's own bookkeeping):
 
 So the draft's sequence is the target's shifted by one: draft index j lives in the slot of target token
 j + 1. The draft model runner reads its own request table (`draft_table`, an SGLang `ReqToTokenPool`),
-whose rows each step copies from the target's, shifted. The newest entry (its next token has no slot yet)
+whose rows hold the target's, shifted: a prefill's draft copies the row up to its newest entry, and each
+later step writes the columns of the entries it stores. The newest entry (its next token has no slot yet)
 and the mask slots are written to scratch slots past the end of the target's slot range (the draft pool is
 made larger by that much; the shared allocator never hands them out) and are never kept: each step
 recomputes them.
 
 A step that drafts nothing (a root-only step) stores its tokens' residuals, which need the step's taps,
-but defers their entries' K/V (`pending`): the next step that drafts recomputes them along with its own,
-in the same batched forward, or a flush stores them once some request has `FLUSH_GAP` of them. So a long
+but defers their entries' K/V (`pending`): the next step that drafts stores them first, or a flush stores
+them once some request has `FLUSH_GAP` of them. So a long
 run of root-only steps costs one small projection per `FLUSH_GAP` steps instead of one per step: py-spy
 put the per-step store at 1% of a batch-16 float32 step on a 2-core EPYC, 0.2% deferred. A request can
 finish with entries still pending, leaving stale K/V in slots the radix cache keeps; so a prefill
 recomputes the `FLUSH_GAP` entries before its cached prefix too, from the residuals that are always
 stored. Stale K/V can only make drafts worse, never change what the target accepts.
 
-Device contract: row layouts are computed on the host from the callers' Python lists and uploaded in one
-tensor (non-blocking where the memory allows); nothing is read back from the device.
+Device contract: the draft after a verify is laid out on the device from the verify's results
+(`block_step`, `draft_block.py`); other row layouts (a prefill's, a flush's) are computed on the host from
+the callers' Python lists and uploaded in one tensor (non-blocking where the memory allows). Nothing is
+read back from the device but the step's results and candidates, in one transfer at its end.
 
 `Drafting` is the step's drafting phase: after a prefill or a verify, it stores the draft state of the
 tokens the step committed and drafts from them (`DraftForward`), and keeps the candidates (`Trees`).
@@ -36,16 +39,19 @@ tokens the step committed and drafts from them (`DraftForward`), and keeps the c
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
 from sglang_dart.attention.tree_attention import upload
+from sglang_dart.dart.draft_block import block_layout, path_residual_slots
 from sglang_dart.dart.phase_timer import PhaseTimer
-from sglang_dart.dart.progress import KEPT_TOKENS, RequestProgress
+from sglang_dart.dart.progress import KEPT_TOKENS, Progress, RequestProgress
 from sglang_dart.dart.trees import Trees
 from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 
@@ -67,15 +73,19 @@ class DraftForward:
         self.draft_table = draft_runner.req_to_token_pool.req_to_token
         self.device = target_req_to_token.device
         dtype = self.drafter.fc.weight.dtype
-        self.residual = torch.zeros(num_slots, cfg.hidden_size, dtype=dtype, device=self.device)
+        # One row past the slots: where padding rows of a block step read and write (`draft_block`).
+        self.junk_residual = num_slots
+        self.residual = torch.zeros(num_slots + 1, cfg.hidden_size, dtype=dtype, device=self.device)
         self.num_masks = cfg.draft_length
         self.scratch_base = scratch_base
+        max_batch = target_req_to_token.shape[0]
+        self.junk_slot = scratch_base + max_batch * (self.num_masks + 1)  # the last scratch slot
 
     @staticmethod
     def scratch_slots(max_batch: int, draft_length: int) -> int:
         """Scratch slots the draft pool needs past the target's: the newest entry and the mask slots of
-        every request of the largest batch."""
-        return max_batch * (draft_length + 1)
+        every request of the largest batch, and one junk slot for the padding rows of block steps."""
+        return max_batch * (draft_length + 1) + 1
 
     @torch.no_grad()
     def store_residuals(self, slots: torch.Tensor, aux_hidden: torch.Tensor) -> None:
@@ -118,6 +128,20 @@ class DraftForward:
         slots = self.slots_of(rows, [a + 1 for a in first], last)  # entry t lives in the slot of t + 1
         pool = self.draft_runner.token_to_kv_pool
         pool.set_kv_buffer(self.model.attn, KVWriteLoc(slots, None), k, v)
+        # Block steps write the request table from their own first column on: these entries' columns
+        # are written here.
+        table_rows, table_cols = upload(
+            torch.stack(
+                [
+                    torch.tensor(rows, dtype=torch.int64).repeat_interleave(
+                        torch.tensor([b - a for a, b in zip(first, last, strict=True)])
+                    ),
+                    torch.tensor(positions, dtype=torch.int64),
+                ]
+            ),
+            self.device,
+        )
+        self.draft_table[table_rows, table_cols] = slots.to(self.draft_table.dtype)
 
     @torch.no_grad()
     def step(
@@ -212,6 +236,86 @@ class DraftForward:
             context = self.model.attend(q, k, v, batch)
         logits = drafter.head(residual[head_rows], context[head_rows])
         return logits.view(bs, d + 1, -1)
+
+    @torch.no_grad()
+    def store_path_residuals(
+        self,
+        rows: torch.Tensor,
+        committed: torch.Tensor,
+        path_nodes: torch.Tensor,
+        accept_lens: torch.Tensor,
+        taps: torch.Tensor,
+    ) -> None:
+        """Fuse the taps of the tokens a verify accepted into their slots, on the device: path node j of
+        request i (j < accept_lens[i], path_nodes [bs, size] flat verify nodes) is the token at position
+        committed[i] + j. Every node column is fused; those past a path go to the junk row."""
+        slots = path_residual_slots(
+            self.req_to_token, rows, committed, accept_lens, path_nodes.shape[1], self.junk_residual
+        )
+        nodes = path_nodes.to(torch.int64).clamp(min=0).reshape(-1)
+        self.residual[slots] = self.drafter.fuse(taps[nodes].to(self.residual.dtype))
+
+    @torch.no_grad()
+    def block_step(
+        self,
+        rows: torch.Tensor,
+        committed_list: list[int],
+        committed: torch.Tensor,
+        path_nodes: torch.Tensor,
+        accept_lens: torch.Tensor,
+        predict: torch.Tensor,
+        roots: torch.Tensor,
+        depths: int,
+    ) -> torch.Tensor:
+        """Draft from the entries a verify committed, laid out on the device (`draft_block`): nothing is
+        read back, and the forward has one shape per (batch, tree size, depth). Entries before committed - 1
+        must be stored (a deferred tail flushed first); the residuals of the path must be stored
+        (`store_path_residuals`). Returns logits [bs, D, draft_vocab] as `step` does."""
+        drafter = self.drafter
+        masks = max(0, min(self.num_masks, depths - 1))
+        layout = block_layout(
+            self.req_to_token,
+            rows,
+            committed,
+            path_nodes,
+            accept_lens,
+            predict,
+            roots,
+            masks,
+            self.scratch_base,
+            self.num_masks + 1,
+            self.junk_slot,
+            self.junk_residual,
+        )
+        bs, width = len(committed_list), layout.width
+        rows_by_row = rows.to(torch.int64).repeat_interleave(width)
+        self.draft_table[rows_by_row, layout.positions] = layout.kv_slots.to(self.draft_table.dtype)
+
+        residual_rows = self.residual[layout.residual_slots]
+        real_in = drafter.real_inputs(residual_rows, layout.next_tokens)
+        mask_in, mask_residual = drafter.mask_row(residual_rows.dtype)
+        real = layout.real.unsqueeze(1)
+        attn_in = torch.where(real, real_in, mask_in)
+        residual = torch.where(real, residual_rows, mask_residual)
+        q, k, v = drafter.project_qkv(attn_in, layout.positions)
+
+        prefix_list = [c - 1 for c in committed_list]
+        prefix = committed.to(torch.int64) - 1
+        batch = self._extend_batch(
+            rows.to(torch.int64),
+            prefix,
+            torch.full_like(prefix, width),
+            prefix_list,
+            [width] * bs,
+            layout.kv_slots,
+            layout.positions,
+        )
+        backend = self.draft_runner.attn_backend
+        backend.init_forward_metadata(batch)
+        with forward_context(ForwardContext(attn_backend=backend)):
+            context = self.model.attend(q, k, v, batch)
+        logits = drafter.head(residual[layout.head_rows], context[layout.head_rows])
+        return logits.view(bs, masks + 1, -1)
 
     def _extend_batch(
         self,
@@ -308,58 +412,145 @@ class Drafting:
         self,
         batch: Any,
         taps: torch.Tensor,
-        drafts: list[int],
-        accept_rows: list[list[int]],
-        lens: list[int],
-        predicted: list[int],
+        step: VerifiedStep,
         depths: int | None,
-    ) -> float:
+    ) -> VerifiedHost:
         """Store the draft state of the tokens a step committed and, when the next step builds trees
-        (`depths`: how deep they can reach), draft from them, along with any entries earlier root-only
-        steps deferred; returns the seconds drafting took. Each request's progress advances past the step.
-        drafts: the verified tokens (flat); accept_rows[i][: lens[i]]: request i's accepted rows of them,
-        root first; predicted: the target's token after each row. The per-request walk runs on host
-        lists (a tensor op per request would cost more than a root-only step saves at large batches)."""
+        (`depths`: how deep they can reach), draft from them. Everything up to the candidates runs on the
+        device from the step's own results (`draft_block`); then the results and the candidates cross to
+        the host in one transfer, and each request's progress advances past the step. A step that drafts
+        nothing defers its entries' K/V (flushed once a request has FLUSH_GAP of them)."""
         runner = self.forward
         rows = request_rows(batch)
-        firsts, lasts, nexts, paths, slot_rows, slot_cols = [], [], [], [], [], []
-        pending: dict[str, int] = {}  # requests that left the batch have nothing left to store
-        for i, (req, row) in enumerate(zip(batch.reqs, rows, strict=True)):
-            now = self.progress.of(req)
-            committed = now.committed  # the root's position
-            path = accept_rows[i][: lens[i]]  # root, then the accepted drafts
-            paths.extend(path)
-            slot_rows.extend([row] * len(path))
-            slot_cols.extend(range(committed, committed + len(path)))
-            new_tokens = [drafts[j] for j in path]
-            bonus = predicted[path[-1]]
-            first = self.pending.get(req.rid, committed - 1)
-            pending[req.rid] = first
-            firsts.append(first)
-            lasts.append(committed + len(path) - 1)
-            # The next token of each deferred entry: positions first + 1 .. committed - 1, held in `recent`
-            # (the root, at `committed`, is its last token).
-            deferred = now.recent[len(now.recent) - (committed - first) : -1] if committed - first > 1 else ()
-            nexts.extend([*deferred, *new_tokens, bonus])
-            self.progress.advance(req, new_tokens[1:] + [bonus])
-        index = upload(torch.tensor([slot_rows, slot_cols, paths], dtype=torch.int64), taps.device)
-        slots = runner.req_to_token[index[0], index[1]].to(torch.int64)
-        gaps = [b - a for a, b in zip(firsts, lasts, strict=True)]
-        flush = depths is None and max(gaps, default=0) >= FLUSH_GAP
+        now = [self.progress.of(req) for req in batch.reqs]
+        committed = [p.committed for p in now]
+        rows_d = _rows_on_device(batch, rows, step.roots.device)
+        bs = len(rows)
+        path_nodes = step.accept_index.view(bs, -1)
+        candidates = None
+        drafting_seconds = 0.0
         with self.timer.phase("draft"):
-            runner.store_residuals(slots, taps[index[2]])  # one write
+            runner.store_path_residuals(rows_d, step.committed, path_nodes, step.accept_lens, taps)
             drafting_from = time.perf_counter()
             if depths is not None:
-                logits = runner.step(rows, firsts, lasts, nexts, depths)
-            elif flush:
+                self._flush_deferred(batch.reqs, rows, now)
+                logits = runner.block_step(
+                    rows_d,
+                    committed,
+                    step.committed,
+                    path_nodes,
+                    step.accept_lens,
+                    step.predict,
+                    step.roots,
+                    depths,
+                )
+        if depths is not None:
+            candidates = self.trees.candidates_on_device(logits)
+            drafting_seconds = time.perf_counter() - drafting_from  # queued, on a GPU: no wait here
+        with self.timer.phase("topk"):
+            host = VerifiedHost.read(step.accept_lens, path_nodes, step.predict, candidates)
+        host.drafting_seconds = drafting_seconds
+        new_tokens = [host.new_tokens(i) for i in range(bs)]
+        for req, tokens in zip(batch.reqs, new_tokens, strict=True):
+            self.progress.advance(req, tokens)
+        if depths is not None:
+            self.pending = {}  # every entry but the newest is stored
+            at = [self.progress.of(req) for req in batch.reqs]
+            self.trees.keep_host(batch.reqs, host.probs, host.tokens, at)
+            return host
+        self.trees.drop(batch.reqs)
+        # Entries first .. last of each request are not stored (requests that left the batch have none).
+        firsts = [self.pending.get(req.rid, c - 1) for req, c in zip(batch.reqs, committed, strict=True)]
+        lasts = [c + len(t) - 1 for c, t in zip(committed, new_tokens, strict=True)]
+        if max((b - a for a, b in zip(firsts, lasts, strict=True)), default=0) >= FLUSH_GAP:
+            nexts = [t for i in range(bs) for t in _tokens_after(now[i], firsts[i], new_tokens[i])]
+            with self.timer.phase("draft"):
                 runner.store_entries(rows, firsts, lasts, nexts)
-        # After a draft or a flush every entry but the newest is stored; else the step's are deferred too.
-        self.pending = pending if depths is None and not flush else {}
-        if depths is None:
-            self.trees.drop(batch.reqs)
-            return 0.0
-        self.trees.keep(batch.reqs, logits, [self.progress.of(req) for req in batch.reqs])
-        return time.perf_counter() - drafting_from
+            self.pending = {}
+        else:
+            self.pending = {req.rid: first for req, first in zip(batch.reqs, firsts, strict=True)}
+        return host
+
+    def _flush_deferred(self, reqs: list[Any], rows: list[int], now: list[Progress]) -> None:
+        """Store the K/V of entries earlier root-only steps deferred, up to the one before each root (a
+        block step starts there)."""
+        flush_rows, firsts, lasts, nexts = [], [], [], []
+        for req, row, at in zip(reqs, rows, now, strict=True):
+            first = self.pending.get(req.rid)
+            if first is None or first >= at.committed - 1:
+                continue
+            flush_rows.append(row)
+            firsts.append(first)
+            lasts.append(at.committed - 1)
+            nexts.extend(_tokens_after(at, first, []))
+        if flush_rows:
+            self.forward.store_entries(flush_rows, firsts, lasts, nexts)
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    """A verify's results on the device, as drafting reads them."""
+
+    committed: torch.Tensor  # [bs] int64: KV lengths before the step (the roots' positions)
+    roots: torch.Tensor  # [bs] int64: the roots' tokens
+    predict: torch.Tensor  # [bs * size]: the target's token after each verified node
+    accept_lens: torch.Tensor  # [bs]: accepted tokens per request, root included
+    accept_index: torch.Tensor  # [bs, size]: the accepted nodes (flat), root first, -1 after
+
+
+@dataclass
+class VerifiedHost:
+    """A verify's results and the next candidates on the host, from one transfer."""
+
+    lens: list[int]
+    paths: list[list[int]]
+    predict: list[int]
+    probs: np.ndarray | None  # [bs, D, k] float32
+    tokens: np.ndarray | None  # [bs, D, k] int64
+    drafting_seconds: float = 0.0
+
+    @classmethod
+    def read(
+        cls,
+        accept_lens: torch.Tensor,
+        path_nodes: torch.Tensor,
+        predict: torch.Tensor,
+        candidates: torch.Tensor | None,
+    ) -> VerifiedHost:
+        """One device-to-host transfer. float32 carries the ids exactly (vocabularies < 2**24, checked at
+        start-up) and the node indices (< bs * size)."""
+        bs, size = path_nodes.shape
+        parts = [accept_lens.float(), path_nodes.reshape(-1).float(), predict.reshape(-1).float()]
+        if candidates is not None:
+            parts.append(candidates.reshape(-1))
+        host = torch.cat(parts).cpu().numpy()
+        lens = host[:bs].astype(np.int64).tolist()
+        nodes = host[bs : bs + bs * size].astype(np.int64).reshape(bs, size).tolist()
+        end = bs + 2 * bs * size
+        predicted = host[bs + bs * size : end].astype(np.int64).tolist()
+        probs = tokens = None
+        if candidates is not None:
+            both = host[end:].reshape(candidates.shape)
+            probs, tokens = both[0], both[1].astype(np.int64)
+        return cls(lens, [row[:n] for row, n in zip(nodes, lens, strict=True)], predicted, probs, tokens)
+
+    def new_tokens(self, i: int) -> list[int]:
+        """Request i's accepted drafts and its bonus token: the target's token after each path node."""
+        return [self.predict[node] for node in self.paths[i]]
+
+
+def _rows_on_device(batch: Any, rows: list[int], device: torch.device) -> torch.Tensor:
+    """The batch's request-table rows on the device: SGLang's own tensor where it has one."""
+    rows_d = getattr(batch, "req_pool_indices", None)
+    if isinstance(rows_d, torch.Tensor) and rows_d.device == device:
+        return rows_d
+    return upload(torch.tensor(rows, dtype=torch.int64), device)
+
+
+def _tokens_after(at: Progress, first: int, new_tokens: list[int]) -> list[int]:
+    """The token after each entry from `first` on: the request's tokens at positions first + 1 up to its
+    root (kept in `recent`), then the step's new tokens."""
+    return [*at.recent[len(at.recent) - (at.committed - first) :], *new_tokens]
 
 
 def _ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """DART's trees: the draft candidates each request keeps between steps, the one Rust pruner call that turns
 them into this step's trees, and the TARGET_VERIFY input SGLang verifies them with.
 
-Candidates cross to the host once per draft (top-k ids and probabilities of every request in one
-transfer); the trees are built on the host and uploaded. That round trip is the only host-device crossing
-DART adds to a step (README, "Host-device traffic").
+Candidates cross to the host once per draft (top-k ids and probabilities of every request, in the same
+transfer as the verify's results after a verify); the trees are built on the host and uploaded. That
+round trip is the only host-device crossing DART adds to a step (README, "Host-device traffic").
 """
 
 from __future__ import annotations
@@ -176,16 +176,26 @@ class Trees:
         return paths
 
     def keep(self, reqs: list[Any], logits: torch.Tensor, at: list[Progress]) -> None:
-        """Keep the top-k of every draft row as the next step's candidates (draft logits [bs, D, V'])."""
+        """Keep the top-k of every draft row as the next step's candidates (draft logits [bs, D, V']),
+        read back on their own (a prefill's drafts)."""
+        candidates = self.candidates_on_device(logits)
+        with self.timer.phase("topk"):
+            both = candidates.cpu().numpy()  # the pruner's inputs cross to the host in one transfer
+        self.keep_host(reqs, both[0], both[1].astype(np.int64), at)
+
+    def candidates_on_device(self, logits: torch.Tensor) -> torch.Tensor:
+        """[2, bs, D, k] float32: the probabilities (softmax over the top-k, as the reference) and target
+        ids of the top-k of every draft row, ready to cross to the host in one transfer."""
         with self.timer.phase("topk"):
             # top-k in the draft's dtype: upcasting every row of the draft vocabulary first cost more
             # than the top-k itself; only the k kept values need float32.
             top = torch.topk(logits, self.candidates_per_depth, dim=-1)
-            probs = torch.softmax(top.values.float(), dim=-1)  # over the top-k (reference)
+            probs = torch.softmax(top.values.float(), dim=-1)
             ids = self.drafter.draft_to_target(top.indices).float()  # exact: vocabularies < 2**24
-            # The pruner's inputs cross to the host in one transfer.
-            both = torch.stack([probs, ids]).cpu().numpy()
-            probs, tokens = both[0], both[1].astype(np.int64)
+            return torch.stack([probs, ids])
+
+    def keep_host(self, reqs: list[Any], probs: np.ndarray, tokens: np.ndarray, at: list[Progress]) -> None:
+        """Keep candidates read back to the host ([bs, D, k] each) for the next step's pruner."""
         for i, req in enumerate(reqs):
             self.candidates[req.rid] = DraftCandidates(tokens[i], probs[i], at[i])
 

@@ -52,7 +52,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import StepClock
-from sglang_dart.dart.drafting import DraftForward, Drafting
+from sglang_dart.dart.drafting import DraftForward, Drafting, VerifiedHost, VerifiedStep
 from sglang_dart.dart.penalties import apply_node_penalties, penalized
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import RequestProgress
@@ -255,8 +255,9 @@ class DartWorker(NGRAMWorker):
         self._draft_worker.init_attention_backends()
 
     def init_cuda_graphs(self) -> None:
-        """The draft forward runs eagerly (its row count follows the accepted lengths); the target's
-        verify graphs are SGLang's own (`gpu_contracts`)."""
+        """The draft forward runs eagerly. After a verify its shape is fixed by the batch and tree sizes
+        alone (`draft_block`), which a captured graph would need; the target's verify graphs are SGLang's
+        own (`gpu_contracts`)."""
 
     def _init_preallocated_tensors(self) -> None:
         """NGRAM's verify buffers are sized for a fixed tree; DART's tree size changes per step, so its
@@ -287,12 +288,15 @@ class DartWorker(NGRAMWorker):
         if batch.forward_mode.is_decode():
             self.trees.to_verify(batch, self._step_size(batch) if size is None else size)
 
-    def _draft_after_verify(self, batch: Any, *args: Any) -> None:
+    def _draft_after_verify(self, batch: Any, taps: torch.Tensor, step: VerifiedStep) -> VerifiedHost:
         """The drafting phase after a verify: the next step's size is chosen now, and a root-only step
-        needs no draft forward (a tree of N nodes past its root is at most N deep)."""
+        needs no draft forward (a tree of N nodes past its root is at most N deep). Returns the step's
+        results on the host (one transfer, the candidates included)."""
         self._planned_size = self.tree_sizes.size_for(len(batch.reqs))
         depths = self._planned_size - 1 if self._planned_size > 1 else None
-        self._drafting_seconds = self.drafting.after_verify(batch, *args, depths)
+        host = self.drafting.after_verify(batch, taps, step, depths)
+        self._drafting_seconds = host.drafting_seconds
+        return host
 
     def _verify_trees(
         self, batch: Any, logits_output: Any, verify_input: Any, size: int
@@ -371,6 +375,7 @@ class DartWorker(NGRAMWorker):
         if batch.forward_mode.is_target_verify():
             self._step_kind = "verify"
             size = batch.spec_info.draft_token_num
+            committed = batch.seq_lens  # the roots' positions
             with self.timer.phase("verify"):
                 result = self.target_worker.forward_batch_generation(batch, is_verify=True)
             logits_output = result.logits_output
@@ -391,22 +396,16 @@ class DartWorker(NGRAMWorker):
                 compute_spec_v2_logprobs(batch, logits_output, predict, accept_index, size - 1)
             if on_publish is not None:
                 on_publish(new_seq_lens)
-            # The step's results cross to the host in one transfer; the drafts are the host's own trees.
-            flat = [
-                accept_lens.to(torch.int64),
-                accept_index.flatten().to(torch.int64),
-                predict.to(torch.int64),
-            ]
-            host = torch.cat(flat).tolist()
-            lens, rows = host[:bs], host[bs : bs + bs * size]
-            self._draft_after_verify(
-                batch,
-                taps,
-                self.trees.host[1].tolist(),
-                [rows[i * size : (i + 1) * size] for i in range(bs)],
-                lens,
-                host[bs + bs * size :],
+            # Drafting reads the step's results on the device; they cross to the host with the next
+            # candidates, in one transfer.
+            verified_step = VerifiedStep(
+                committed=committed,
+                roots=verify_input.draft_token.view(bs, size)[:, 0],
+                predict=predict,
+                accept_lens=accept_lens,
+                accept_index=accept_index,
             )
+            lens = self._draft_after_verify(batch, taps, verified_step).lens
             self.trees.keep_only(batch.reqs)
             self.step_clock.finish(started, bs, size, sum(lens), self._drafting_seconds)
             batch.forward_mode = ForwardMode.DECODE
@@ -487,7 +486,8 @@ class DartWorker(NGRAMWorker):
         committed = batch.seq_lens
         roots = self.progress.roots(batch.reqs)
         with self.timer.phase("prepare"):
-            batch.input_ids = upload(torch.tensor(roots, dtype=torch.int64), self.device)
+            roots_d = upload(torch.tensor(roots, dtype=torch.int64), self.device)
+            batch.input_ids = roots_d
             req_to_token = batch.req_to_token_pool.req_to_token
             batch.out_cache_loc = req_to_token[batch.req_pool_indices, committed].to(torch.int64)
             # Decode counts the new token in seq_lens; the scheduler restores the batch after the step.
@@ -507,14 +507,15 @@ class DartWorker(NGRAMWorker):
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
         if on_publish is not None:
             on_publish(new_seq_lens)
-        self._draft_after_verify(
-            batch,
-            result.logits_output.hidden_states,
-            roots,
-            [[i] for i in range(bs)],
-            [1] * bs,
-            next_token_ids.tolist(),  # the one read of a root-only step
+        index = torch.arange(bs, dtype=torch.int64, device=self.device)
+        verified_step = VerifiedStep(
+            committed=committed,
+            roots=roots_d,
+            predict=next_token_ids,
+            accept_lens=accept_lens,
+            accept_index=index.view(bs, 1),
         )
+        self._draft_after_verify(batch, result.logits_output.hidden_states, verified_step)
         self.trees.keep_only(batch.reqs)
         self.step_clock.finish(started, bs, 1, bs, self._drafting_seconds)
         self.timer.step_done(bs)

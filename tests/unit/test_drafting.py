@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 from sglang_dart.cpu.attention import TreeVerifyCpuAttnBackend
-from sglang_dart.dart.drafting import FLUSH_GAP, Drafting
+from sglang_dart.dart.drafting import FLUSH_GAP, Drafting, VerifiedStep
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import RequestProgress
 from sglang_dart.drafter import DraftConfigError, load_drafter
@@ -224,6 +224,14 @@ class _KeptTrees:
     def keep(self, reqs: Any, logits: torch.Tensor, progress: Any) -> None:
         self.logits = logits
 
+    def candidates_on_device(self, logits: torch.Tensor) -> torch.Tensor:
+        self.logits = logits
+        bs, depths = logits.shape[:2]
+        return torch.zeros(2, bs, depths, 1, device=logits.device)
+
+    def keep_host(self, reqs: Any, probs: Any, tokens: Any, at: Any) -> None:
+        pass
+
     def drop(self, reqs: Any) -> None:
         self.logits = None
 
@@ -253,14 +261,18 @@ def _prefill(drafting, req, row: int, tokens, aux, prefix: int, end: int) -> Non
 
 
 def _verify_step(drafting, req, row: int, tokens, aux, committed: int, accepted: int, depths):
-    """One verify of a batch of one whose root and `accepted` drafts all match `tokens`."""
+    """One verify of a batch of one whose root and `accepted` drafts all match `tokens` (a chain)."""
     batch = SimpleNamespace(reqs=[req], req_pool_indices_cpu=torch.tensor([row]))
-    rows = list(range(accepted + 1))
-    drafts = tokens[committed : committed + accepted + 1]
-    predicted = tokens[committed + 1 : committed + accepted + 2]
-    taps = aux[committed : committed + accepted + 1]
-    drafting.after_verify(batch, taps, drafts, [rows], [accepted + 1], predicted, depths)
-    return committed + accepted + 1
+    size = accepted + 1
+    step = VerifiedStep(
+        committed=torch.tensor([committed]),
+        roots=torch.tensor([tokens[committed]]),
+        predict=torch.tensor(tokens[committed + 1 : committed + size + 1]),
+        accept_lens=torch.tensor([size], dtype=torch.int32),
+        accept_index=torch.arange(size, dtype=torch.int32).view(1, size),
+    )
+    drafting.after_verify(batch, aux[committed : committed + size], step, depths)
+    return committed + size
 
 
 def test_root_only_steps_defer_entries_and_the_next_draft_is_exact(tmp_path):
@@ -310,3 +322,103 @@ def test_a_prefill_over_a_prefix_left_with_deferred_entries_drafts_exactly(tmp_p
     with torch.no_grad():
         expected = drafter(aux[:end], torch.tensor(tokens[1 : end + 1]), start_pos=0).logits
     torch.testing.assert_close(trees.logits[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(tmp_path):
+    """Drafting after verifies of branching trees, laid out on the device (`draft_block`): requests in
+    scattered table rows accept different numbers of nodes at different places of their trees (the other
+    nodes carry junk taps and tokens), some steps draft nothing; after every drafting step each request's
+    drafts are the single-request drafter's over its whole sequence."""
+    path = _write_checkpoint(tmp_path / "draft")
+    drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(8)
+    max_len, num_slots = 60, 400
+    req_to_token = torch.zeros(6, max_len, dtype=torch.int32)
+    perm = (torch.randperm(num_slots - 1, generator=gen) + 1).to(torch.int32)
+    rows = [4, 1, 2]
+    for i, row in enumerate(rows):
+        req_to_token[row] = perm[i * max_len : (i + 1) * max_len]
+    runner = _draft_forward(path, req_to_token, num_slots)
+    trees = _KeptTrees()
+    drafting = Drafting(runner, trees, RequestProgress(), PhaseTimer(enabled=False))
+    reqs = [SimpleNamespace(rid=f"r{i}") for i in range(3)]
+    tokens = [torch.randint(0, V, (max_len + 1,), generator=gen).tolist() for _ in reqs]
+    aux = [torch.randn(max_len, 3 * H, generator=gen) for _ in reqs]
+    prompts = [5, 9, 3]
+    for req, toks, n in zip(reqs, tokens, prompts, strict=True):
+        req.origin_input_ids, req.output_ids = toks[:n], []
+    batch = SimpleNamespace(
+        reqs=reqs, req_pool_indices_cpu=torch.tensor(rows), prefix_lens=[0, 0, 0], extend_lens=prompts
+    )
+    sampled = torch.tensor([toks[n] for toks, n in zip(tokens, prompts, strict=True)])
+    drafting.after_extend(batch, torch.cat([a[:n] for a, n in zip(aux, prompts, strict=True)]), sampled)
+    committed = list(prompts)
+    batch = SimpleNamespace(reqs=reqs, req_pool_indices_cpu=torch.tensor(rows))
+    # (tree size, accepted tokens per request root included, depths drafted for the next step or None)
+    for size, accepted, depths in (
+        (6, [3, 1, 6], 4),
+        (4, [1, 2, 1], None),
+        (4, [2, 1, 1], None),
+        (5, [1, 4, 2], 9),
+        (3, [3, 3, 1], 3),
+    ):
+        bs = len(reqs)
+        predict = torch.randint(0, V, (bs * size,), generator=gen)
+        taps = torch.randn(bs * size, 3 * H, generator=gen)
+        accept_index = torch.full((bs, size), -1, dtype=torch.int32)
+        for i, n in enumerate(accepted):
+            # the root (node 0) then n - 1 other nodes of the tree, in tree order
+            nodes = [0, *sorted(torch.randperm(size - 1, generator=gen)[: n - 1].add(1).tolist())]
+            flat = [i * size + j for j in nodes]
+            accept_index[i, :n] = torch.tensor(flat, dtype=torch.int32)
+            for k, node in enumerate(flat):
+                predict[node] = tokens[i][committed[i] + k + 1]  # the accepted token after the node
+                taps[node] = aux[i][committed[i] + k]
+        step = VerifiedStep(
+            committed=torch.tensor(committed),
+            roots=torch.tensor([tokens[i][committed[i]] for i in range(bs)]),
+            predict=predict,
+            accept_lens=torch.tensor(accepted, dtype=torch.int32),
+            accept_index=accept_index,
+        )
+        host = drafting.after_verify(batch, taps, step, depths)
+        assert host.lens == accepted
+        for i, n in enumerate(accepted):
+            assert host.new_tokens(i) == tokens[i][committed[i] + 1 : committed[i] + n + 1]
+        committed = [c + n for c, n in zip(committed, accepted, strict=True)]
+        if depths is None:
+            assert trees.logits is None
+            continue
+        for i in range(bs):
+            with torch.no_grad():
+                expected = drafter(
+                    aux[i][: committed[i]], torch.tensor(tokens[i][1 : committed[i] + 1]), start_pos=0
+                ).logits
+            rows_drafted = min(depths, expected.shape[0])
+            assert trees.logits.shape[1] == rows_drafted
+            torch.testing.assert_close(trees.logits[i], expected[:rows_drafted], atol=1e-4, rtol=1e-4)
+        trees.logits = None
+
+
+def test_a_block_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_path):
+    """The block step after a verify on the meta device: the residual store and the draft forward run from
+    the verify's results there, and hand the attention backend an extend batch of equal blocks."""
+    req_to_token = torch.zeros(4, 40, dtype=torch.int32, device="meta")
+    runner = _draft_forward(_write_checkpoint(tmp_path / "draft"), req_to_token, 200, _RecordingBackend)
+    cfg = runner.model.cfg
+    meta = {"device": "meta"}
+    rows = torch.zeros(2, dtype=torch.int64, **meta)
+    committed = torch.zeros(2, dtype=torch.int64, **meta)
+    path_nodes = torch.zeros(2, 4, dtype=torch.int32, **meta)
+    accept_lens = torch.zeros(2, dtype=torch.int32, **meta)
+    runner.store_path_residuals(rows, committed, path_nodes, accept_lens, torch.zeros(8, 3 * H, **meta))
+    predict = torch.zeros(8, dtype=torch.int64, **meta)
+    roots = torch.zeros(2, dtype=torch.int64, **meta)
+    logits = runner.block_step(rows, [7, 12], committed, path_nodes, accept_lens, predict, roots, depths=3)
+    assert logits.device.type == "meta" and logits.shape == (2, 3, cfg.draft_vocab_size)
+    batch = runner.draft_runner.attn_backend.batch
+    width = 4 + 1 + 2
+    assert batch.extend_prefix_lens_cpu == [6, 11] and batch.extend_seq_lens_cpu == [width, width]
+    assert batch.seq_lens_cpu.tolist() == [6 + width, 11 + width] and batch.extend_num_tokens == 2 * width
+    for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_seq_lens"):
+        assert getattr(batch, name).device.type == "meta", name
