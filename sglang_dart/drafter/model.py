@@ -24,15 +24,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, heads, head_dim]; positions: [T]."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.float32, device=x.device) / half))
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [positions, head_dim]
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> RopeTables:
+    """cos and sin [T, head_dim] of rotate-half RoPE at positions [T], in `dtype`."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, dtype=torch.float32, device=positions.device) / half))
     angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, half]
-    emb = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [T, 1, head_dim]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, cached: RopeTables | None = None
+) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, head_dim]; positions: [T]. `cached`: the tables of positions
+    0..n-1 in x's dtype (`rope_tables(arange(n))`, every position below n): rows are looked up instead of
+    computed, with the same values (the angles of integer positions are computed alike)."""
+    half = x.shape[-1] // 2
+    if cached is None:
+        cos, sin = rope_tables(positions, x.shape[-1], theta, x.dtype)
+    else:
+        cos, sin = cached[0][positions], cached[1][positions]
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
 class _Norm(nn.Module):
@@ -91,6 +107,14 @@ class DartDrafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         # The target's table, shared, never copied or saved (None until a serving worker hands it over).
         self.embed_tokens = embed_tokens
+        self.rope: RopeTables | None = None  # `cache_rope`: tables a serving worker looks positions up in
+
+    def cache_rope(self, positions: int) -> None:
+        """Keep the RoPE tables of positions 0..positions-1 in the layer's dtype and device: a serving
+        worker whose positions all stay below that looks them up (a few ops per projection, not a dozen)."""
+        weight = self.fc.weight
+        index = torch.arange(positions, device=weight.device)
+        self.rope = rope_tables(index, self.cfg.head_dim, self.cfg.rope_theta, weight.dtype)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -125,7 +149,7 @@ class DartDrafter(nn.Module):
         """RoPE'd q [T, heads, hd], k and v [T, kv_heads, hd]."""
         cfg, n = self.cfg, attn_in.shape[0]
         q = self.midlayer.self_attn.q_proj(attn_in).view(n, cfg.num_attention_heads, cfg.head_dim)
-        return (apply_rope(q, positions, cfg.rope_theta), *self.project_kv(attn_in, positions))
+        return (apply_rope(q, positions, cfg.rope_theta, self.rope), *self.project_kv(attn_in, positions))
 
     def project_kv(self, attn_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE'd k and v [T, kv_heads, hd] alone: entries that are stored, never attended from."""
@@ -133,7 +157,7 @@ class DartDrafter(nn.Module):
         n = attn_in.shape[0]
         k = attn.k_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
         v = attn.v_proj(attn_in).view(n, cfg.num_key_value_heads, cfg.head_dim)
-        return apply_rope(k, positions, cfg.rope_theta), v
+        return apply_rope(k, positions, cfg.rope_theta, self.rope), v
 
     def head(self, residual: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Logits of the rows that need them: o_proj + residual, MLP, final norm (twice), lm_head."""

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_dart.drafter import DraftConfigError, load_drafter
+from sglang_dart.drafter.model import apply_rope, rope_tables
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, V, VD, D = 32, 4, 2, 8, 48, 100, 60, 4
 EPS, THETA = 1e-6, 10000.0
@@ -211,3 +212,14 @@ def test_missing_and_corrupt_files(tmp_path):
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(DraftConfigError, match="not valid JSON"):
         load_drafter(ckpt, _embedding(), H, V)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_looked_up_in_cached_tables_is_the_computed_rope(dtype):
+    """A serving drafter looks RoPE up in tables of every position (`cache_rope`); the values are the
+    computed ones, bit for bit, at any positions below the table's length."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 3, 64, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 7, 8, 300, 301, 4095, 2, 299])
+    tables = rope_tables(torch.arange(4096), 64, 10000.0, dtype)
+    assert torch.equal(apply_rope(x, positions, 10000.0, tables), apply_rope(x, positions, 10000.0))

@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 from sglang_dart.cpu.attention import TreeVerifyCpuAttnBackend
+from sglang_dart.dart import drafting as drafting_module
 from sglang_dart.dart.drafting import FLUSH_GAP, Drafting, VerifiedStep
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import RequestProgress
@@ -324,11 +325,17 @@ def test_a_prefill_over_a_prefix_left_with_deferred_entries_drafts_exactly(tmp_p
     torch.testing.assert_close(trees.logits[0], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(tmp_path):
+@pytest.mark.parametrize("accelerator_width", [False, True])
+def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(
+    tmp_path, monkeypatch, accelerator_width
+):
     """Drafting after verifies of branching trees, laid out on the device (`draft_block`): requests in
     scattered table rows accept different numbers of nodes at different places of their trees (the other
     nodes carry junk taps and tokens), some steps draft nothing; after every drafting step each request's
-    drafts are the single-request drafter's over its whole sequence."""
+    drafts are the single-request drafter's over its whole sequence. Blocks as wide as the longest path
+    (a CPU's) or as the whole tree (an accelerator's, padded)."""
+    if accelerator_width:
+        monkeypatch.setattr(drafting_module, "_longest_paths_on_cpu", lambda nodes, lens: nodes)
     path = _write_checkpoint(tmp_path / "draft")
     drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
     gen = torch.Generator().manual_seed(8)
