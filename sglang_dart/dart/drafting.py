@@ -416,12 +416,12 @@ class Drafting:
         taps: torch.Tensor,
         step: VerifiedStep,
         depths: int | None,
-    ) -> VerifiedHost:
+    ) -> UnsettledStep:
         """Store the draft state of the tokens a step committed and, when the next step builds trees
-        (`depths`: how deep they can reach), draft from them. Everything up to the candidates runs on the
-        device from the step's own results (`draft_block`); then the results and the candidates cross to
-        the host in one transfer, and each request's progress advances past the step. A step that drafts
-        nothing defers its entries' K/V (flushed once a request has FLUSH_GAP of them)."""
+        (`depths`: how deep they can reach), draft from them: everything up to the candidates runs on the
+        device from the step's own results (`draft_block`), and nothing is read back. The results and the
+        candidates start on their way to the host in one transfer; `settle` takes them there (at the next
+        step's start, so that the scheduler's work on this step's results overlaps the device's)."""
         runner = self.forward
         rows = request_rows(batch)
         now = [self.progress.of(req) for req in batch.reqs]
@@ -449,28 +449,50 @@ class Drafting:
         if depths is not None:
             candidates = self.trees.candidates_on_device(logits)
             drafting_seconds = time.perf_counter() - drafting_from  # queued, on a GPU: no wait here
-        with self.timer.phase("topk"):
-            host = VerifiedHost.read(step.accept_lens, path_nodes, step.predict, candidates)
-        host.drafting_seconds = drafting_seconds
+        parts = [step.accept_lens.float(), path_nodes.reshape(-1).float(), step.predict.reshape(-1).float()]
+        if candidates is not None:
+            parts.append(candidates.reshape(-1))
+        return UnsettledStep(
+            reqs=list(batch.reqs),
+            rows=rows,
+            now=now,
+            depths=depths,
+            read=DeviceRead(torch.cat(parts)),
+            path_width=path_nodes.shape[1],
+            tree_nodes=step.predict.numel(),
+            candidates_shape=None if candidates is None else tuple(candidates.shape),
+            drafting_seconds=drafting_seconds,
+        )
+
+    def settle(self, step: UnsettledStep) -> VerifiedHost:
+        """Bring a step's results and candidates to the host (its one read) and update the host's state:
+        each request's progress advances past the step, the candidates are kept for the pruner, or, after a
+        step that drafted nothing, its entries are deferred (flushed once a request has FLUSH_GAP of them)."""
+        with self.timer.phase("settle"):
+            host = VerifiedHost.parse(
+                step.read.numpy(), len(step.rows), step.path_width, step.tree_nodes, step.candidates_shape
+            )
+        host.drafting_seconds = step.drafting_seconds
+        reqs, now, bs = step.reqs, step.now, len(step.rows)
         new_tokens = [host.new_tokens(i) for i in range(bs)]
-        for req, tokens in zip(batch.reqs, new_tokens, strict=True):
+        for req, tokens in zip(reqs, new_tokens, strict=True):
             self.progress.advance(req, tokens)
-        if depths is not None:
+        if step.depths is not None:
             self.pending = {}  # every entry but the newest is stored
-            at = [self.progress.of(req) for req in batch.reqs]
-            self.trees.keep_host(batch.reqs, host.probs, host.tokens, at)
+            self.trees.keep_host(reqs, host.probs, host.tokens, [self.progress.of(req) for req in reqs])
             return host
-        self.trees.drop(batch.reqs)
+        self.trees.drop(reqs)
         # Entries first .. last of each request are not stored (requests that left the batch have none).
-        firsts = [self.pending.get(req.rid, c - 1) for req, c in zip(batch.reqs, committed, strict=True)]
+        committed = [at.committed for at in now]
+        firsts = [self.pending.get(req.rid, c - 1) for req, c in zip(reqs, committed, strict=True)]
         lasts = [c + len(t) - 1 for c, t in zip(committed, new_tokens, strict=True)]
         if max((b - a for a, b in zip(firsts, lasts, strict=True)), default=0) >= FLUSH_GAP:
             nexts = [t for i in range(bs) for t in _tokens_after(now[i], firsts[i], new_tokens[i])]
             with self.timer.phase("draft"):
-                runner.store_entries(rows, firsts, lasts, nexts)
+                self.forward.store_entries(step.rows, firsts, lasts, nexts)
             self.pending = {}
         else:
-            self.pending = {req.rid: first for req, first in zip(batch.reqs, firsts, strict=True)}
+            self.pending = {req.rid: first for req, first in zip(reqs, firsts, strict=True)}
         return host
 
     def _flush_deferred(self, reqs: list[Any], rows: list[int], now: list[Progress]) -> None:
@@ -500,6 +522,42 @@ class VerifiedStep:
     accept_index: torch.Tensor  # [bs, size]: the accepted nodes (flat), root first, -1 after
 
 
+class DeviceRead:
+    """A device tensor on its way to the host. On CUDA it is copied into pinned memory without waiting and
+    `numpy()` waits for that copy alone; elsewhere `numpy()` reads it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        # The device tensor is held until the copy is waited for, so its memory is not handed out before.
+        self._tensor, self._host, self._copied = tensor, None, None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def numpy(self) -> np.ndarray:
+        if self._host is not None:
+            self._copied.synchronize()
+            return self._host.numpy()
+        return self._tensor.cpu().numpy()
+
+
+@dataclass
+class UnsettledStep:
+    """A verify (or root-only) step whose drafting ran on the device and whose results are on their way to
+    the host (`Drafting.settle`)."""
+
+    reqs: list[Any]
+    rows: list[int]
+    now: list[Progress]  # each request's progress before the step
+    depths: int | None  # how deep the next step's trees can reach (None: it drafted nothing)
+    read: DeviceRead  # accept lengths, path nodes, the target's tokens, then the candidates
+    path_width: int
+    tree_nodes: int
+    candidates_shape: tuple[int, ...] | None
+    drafting_seconds: float
+
+
 @dataclass
 class VerifiedHost:
     """A verify's results and the next candidates on the host, from one transfer."""
@@ -512,27 +570,23 @@ class VerifiedHost:
     drafting_seconds: float = 0.0
 
     @classmethod
-    def read(
+    def parse(
         cls,
-        accept_lens: torch.Tensor,
-        path_nodes: torch.Tensor,
-        predict: torch.Tensor,
-        candidates: torch.Tensor | None,
+        host: np.ndarray,
+        bs: int,
+        path_width: int,
+        tree_nodes: int,
+        candidates_shape: tuple[int, ...] | None,
     ) -> VerifiedHost:
-        """One device-to-host transfer. float32 carries the ids exactly (vocabularies < 2**24, checked at
-        start-up) and the node indices (< bs * tree size). path_nodes [bs, path columns]."""
-        bs, size = path_nodes.shape
-        parts = [accept_lens.float(), path_nodes.reshape(-1).float(), predict.reshape(-1).float()]
-        if candidates is not None:
-            parts.append(candidates.reshape(-1))
-        host = torch.cat(parts).cpu().numpy()
+        """The transfer `Drafting.after_verify` starts: float32 carries the ids exactly (vocabularies
+        < 2**24, checked at start-up) and the node indices (< bs * tree size)."""
         lens = host[:bs].astype(np.int64).tolist()
-        nodes = host[bs : bs + bs * size].astype(np.int64).reshape(bs, size).tolist()
-        end = bs + bs * size + predict.numel()
-        predicted = host[bs + bs * size : end].astype(np.int64).tolist()
+        nodes = host[bs : bs + bs * path_width].astype(np.int64).reshape(bs, path_width).tolist()
+        end = bs + bs * path_width + tree_nodes
+        predicted = host[bs + bs * path_width : end].astype(np.int64).tolist()
         probs = tokens = None
-        if candidates is not None:
-            both = host[end:].reshape(candidates.shape)
+        if candidates_shape is not None:
+            both = host[end:].reshape(candidates_shape)
             probs, tokens = both[0], both[1].astype(np.int64)
         return cls(lens, [row[:n] for row, n in zip(nodes, lens, strict=True)], predicted, probs, tokens)
 

@@ -8,9 +8,10 @@ numpy arrays (which it does: request state, the pruner's trees) and reads tensor
 results over. SGLang's own calls inside the step (the verify forward, its tree walk, KV bookkeeping) are
 not counted: they are what any SGLang speculative worker pays.
 
-The budget (README, "Host-device traffic"): a verify step or a root-only step reads once (its accepted
-tokens and, when the next step drafts a tree, the draft candidates for the pruner, in one transfer), a
-prefill twice (the sampled tokens; the draft candidates).
+The budget (README, "Host-device traffic"): a verify step or a root-only step reads nothing itself; its
+accepted tokens and, when the next step drafts a tree, the draft candidates for the pruner cross in one
+transfer that the next step's start waits for ("settle", once). A prefill reads twice (the sampled
+tokens; the draft candidates).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 READ_METHODS = frozenset({"tolist", "item", "cpu", "__bool__", "__int__", "__float__", "__index__"})
 COUNTED_PREFIX = "sglang_dart.dart."
-BUDGET = {"verify": 1, "root-only": 1, "prefill": 2}
+BUDGET = {"settle": 1, "verify": 0, "root-only": 0, "prefill": 2}
 
 
 class HostReadCounter(TorchFunctionMode):

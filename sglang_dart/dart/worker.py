@@ -52,7 +52,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import StepClock
-from sglang_dart.dart.drafting import DraftForward, Drafting, VerifiedHost, VerifiedStep
+from sglang_dart.dart.drafting import DraftForward, Drafting, UnsettledStep, VerifiedStep
 from sglang_dart.dart.penalties import apply_node_penalties, penalized
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import RequestProgress
@@ -132,7 +132,6 @@ class DartWorker(NGRAMWorker):
         logger.info("DART tree size by batch size: %s", self.tree_sizes.describe())
         self.step_clock = StepClock()  # step times for an adaptive schedule
         self._planned_size: int | None = None  # chosen when the step before drafted (or did not)
-        self._drafting_seconds = 0.0
         chain_nodes = context_nodes(server_args)
         # the requests' tokens as the worker left them (overlap lags), and their context index
         self.progress = RequestProgress(index_context=chain_nodes > 0)
@@ -151,6 +150,7 @@ class DartWorker(NGRAMWorker):
         )
         self.drafting: Drafting | None = None  # once SGLang has allocated the pools
         self.checks = os.environ.get(CHECKS_ENV) == "1"
+        self._unsettled: tuple[UnsettledStep, float, int] | None = None  # see `_settle`
         self._step_kind = "prefill"  # what the last step was, for the host-read budget
 
     def _check_store(self, tokenizer: Any, vocab: int) -> None:
@@ -264,6 +264,7 @@ class DartWorker(NGRAMWorker):
         verify tensors are made per step instead (`_prepare_for_speculative_decoding`)."""
 
     def clear_cache_pool(self) -> None:
+        self._settle()
         self.trees.keep_only([])
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
@@ -288,15 +289,27 @@ class DartWorker(NGRAMWorker):
         if batch.forward_mode.is_decode():
             self.trees.to_verify(batch, self._step_size(batch) if size is None else size)
 
-    def _draft_after_verify(self, batch: Any, taps: torch.Tensor, step: VerifiedStep) -> VerifiedHost:
+    def _draft_after_verify(
+        self, batch: Any, taps: torch.Tensor, step: VerifiedStep, started: float, size: int
+    ) -> None:
         """The drafting phase after a verify: the next step's size is chosen now, and a root-only step
-        needs no draft forward (a tree of N nodes past its root is at most N deep). Returns the step's
-        results on the host (one transfer, the candidates included)."""
+        needs no draft forward (a tree of N nodes past its root is at most N deep). The step's results and
+        candidates reach the host at the next step's start (`_settle`)."""
         self._planned_size = self.tree_sizes.size_for(len(batch.reqs))
         depths = self._planned_size - 1 if self._planned_size > 1 else None
-        host = self.drafting.after_verify(batch, taps, step, depths)
-        self._drafting_seconds = host.drafting_seconds
-        return host
+        self._unsettled = (self.drafting.after_verify(batch, taps, step, depths), started, size)
+
+    def _settle(self) -> None:
+        """The last decode step's one read: its results and candidates on the host, and the host's state
+        (progress, candidates, step times) updated from them. Done when the next step starts, so that with
+        overlap scheduling the scheduler processes the last step's results while the device still runs it,
+        as it does for plain decoding; nothing between two steps reads DART's host state."""
+        if self._unsettled is None:
+            return
+        step, started, size = self._unsettled
+        self._unsettled = None
+        host = self.drafting.settle(step)
+        self.step_clock.finish(started, len(step.rows), size, sum(host.lens), host.drafting_seconds)
 
     def _verify_trees(
         self, batch: Any, logits_output: Any, verify_input: Any, size: int
@@ -341,6 +354,9 @@ class DartWorker(NGRAMWorker):
         extra = batch.has_grammar or batch.return_logprob or penalized(batch.reqs)
         extra = extra or batch.sampling_info.has_custom_logit_processor
         with host_reads.HostReadCounter() as counter:
+            self._settle()
+        host_reads.check_budget("settle", counter.reads)
+        with host_reads.HostReadCounter() as counter:
             result = self._forward(batch, on_publish)
         if not extra:
             host_reads.check_budget(self._step_kind, counter.reads)
@@ -355,6 +371,7 @@ class DartWorker(NGRAMWorker):
         size = self.draft_token_num  # the result stride: this step's tree size after a verify
         if batch.forward_mode.is_decode():
             self.timer.step_start()
+            self._settle()
             finished = self.step_clock.start(started)
             if finished is not None:
                 self.tree_sizes.record(*finished)
@@ -368,6 +385,7 @@ class DartWorker(NGRAMWorker):
             with self.timer.phase("prepare"):
                 self._prepare_for_speculative_decoding(batch, step_size)
         else:  # a prefill: the interval to the next decode step is not a decode step's
+            self._settle()
             self._step_kind = "prefill"
             self.step_clock.interrupt()
             self.timer.interrupt()
@@ -405,9 +423,8 @@ class DartWorker(NGRAMWorker):
                 accept_lens=accept_lens,
                 accept_index=accept_index,
             )
-            lens = self._draft_after_verify(batch, taps, verified_step).lens
+            self._draft_after_verify(batch, taps, verified_step, started, size)
             self.trees.keep_only(batch.reqs)
-            self.step_clock.finish(started, bs, size, sum(lens), self._drafting_seconds)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
             verified = size
@@ -515,9 +532,8 @@ class DartWorker(NGRAMWorker):
             accept_lens=accept_lens,
             accept_index=index.view(bs, 1),
         )
-        self._draft_after_verify(batch, result.logits_output.hidden_states, verified_step)
+        self._draft_after_verify(batch, result.logits_output.hidden_states, verified_step, started, 1)
         self.trees.keep_only(batch.reqs)
-        self.step_clock.finish(started, bs, 1, bs, self._drafting_seconds)
         self.timer.step_done(bs)
         accept_tokens = self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten()
         return self._step_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, 1, 1)

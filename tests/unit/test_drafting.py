@@ -272,7 +272,7 @@ def _verify_step(drafting, req, row: int, tokens, aux, committed: int, accepted:
         accept_lens=torch.tensor([size], dtype=torch.int32),
         accept_index=torch.arange(size, dtype=torch.int32).view(1, size),
     )
-    drafting.after_verify(batch, aux[committed : committed + size], step, depths)
+    drafting.settle(drafting.after_verify(batch, aux[committed : committed + size], step, depths))
     return committed + size
 
 
@@ -388,7 +388,7 @@ def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(
             accept_lens=torch.tensor(accepted, dtype=torch.int32),
             accept_index=accept_index,
         )
-        host = drafting.after_verify(batch, taps, step, depths)
+        host = drafting.settle(drafting.after_verify(batch, taps, step, depths))
         assert host.lens == accepted
         for i, n in enumerate(accepted):
             assert host.new_tokens(i) == tokens[i][committed[i] + 1 : committed[i] + n + 1]
@@ -429,3 +429,28 @@ def test_a_block_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(
     assert batch.seq_lens_cpu.tolist() == [6 + width, 11 + width] and batch.extend_num_tokens == 2 * width
     for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_seq_lens"):
         assert getattr(batch, name).device.type == "meta", name
+
+
+def test_drafting_after_a_verify_on_an_accelerator_reads_nothing_back(tmp_path):
+    """The whole drafting phase after a verify (the residual store, a flush of deferred entries, the
+    block step, the candidates) on the meta device, where any read back raises: everything stays on the
+    device until the next step settles it."""
+    req_to_token = torch.zeros(4, 40, dtype=torch.int32, device="meta")
+    runner = _draft_forward(_write_checkpoint(tmp_path / "draft"), req_to_token, 200, _RecordingBackend)
+    drafting = Drafting(runner, _KeptTrees(), RequestProgress(), PhaseTimer(enabled=False))
+    reqs = [SimpleNamespace(rid="a"), SimpleNamespace(rid="b")]
+    for req, committed in zip(reqs, (9, 14), strict=True):
+        drafting.progress.start(req, committed, list(range(committed + 1)))
+    drafting.pending = {"a": 3}  # entries 3..7 of "a" deferred by earlier root-only steps
+    batch = SimpleNamespace(reqs=reqs, req_pool_indices_cpu=torch.tensor([1, 3]))
+    meta = {"device": "meta"}
+    step = VerifiedStep(
+        committed=torch.zeros(2, dtype=torch.int64, **meta),
+        roots=torch.zeros(2, dtype=torch.int64, **meta),
+        predict=torch.zeros(8, dtype=torch.int32, **meta),
+        accept_lens=torch.zeros(2, dtype=torch.int32, **meta),
+        accept_index=torch.zeros(2, 4, dtype=torch.int32, **meta),
+    )
+    unsettled = drafting.after_verify(batch, torch.zeros(8, 3 * H, **meta), step, depths=3)
+    assert unsettled.depths == 3 and unsettled.path_width == 4  # an accelerator's blocks: whole trees
+    assert unsettled.candidates_shape == (2, 2, 3, 1)
