@@ -598,7 +598,7 @@ class VerifiedHost:
 def _longest_paths_on_cpu(path_nodes: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:
     """The path columns a block step lays out: all of them on an accelerator (one shape per tree size, no
     read), only as many as the longest path on a CPU, where the host is the device and a narrower block
-    saves rows (a quarter of a batch-16 draft step)."""
+    saves rows (about 30% of an isolated batch-1 draft step, SmolLM2 shapes in bf16)."""
     if accept_lens.device.type != "cpu":
         return path_nodes
     longest = int(accept_lens.numpy().max(initial=1))  # a host array: nothing to sync

@@ -5,8 +5,10 @@ overlap scheduling updates one step late).
 Per decode step, for the whole running batch: one Rust pruner call turns the draft candidates kept from
 the previous step into trees of this step's size, one target verify forward (tree mask, taps captured),
 greedy/target-only acceptance and KV bookkeeping by SGLang's own helpers, then one batched draft forward
-over the accepted tokens + mask slots and one top-k + softmax, whose candidates the next step prunes. A
-prefill runs the target, then the draft over the prompt, so every request enters decoding with candidates.
+over the accepted tokens + mask slots (laid out on the device) and one top-k + softmax. Nothing is read
+back during the step: its results and candidates reach the host at the next step's start (`_settle`),
+which then prunes. A prefill runs the target, then the draft over the prompt, so every request enters
+decoding with candidates.
 
 The tree size follows the batch size (`tree_sizes.py`) or measured throughput (`adaptive_sizes.py`); the
 next step's size is chosen at the end of a step, which runs the draft forward only for a tree. All requests
