@@ -70,10 +70,12 @@ def block_layout(
     after_node = predict.to(torch.int64)[nodes[:, (b.squeeze(0) - 1).clamp(0, size - 1)]]
     next_tokens = torch.where(b == 0, roots.to(torch.int64).unsqueeze(1), after_node)
 
-    residual_slots = req_to_token[rows, entry.clamp(max=last_column)].to(torch.int64)
-    residual_slots = torch.where(real, residual_slots, junk_residual)
-
-    next_slots = req_to_token[rows, (entry + 1).clamp(max=last_column)].to(torch.int64)
+    # Target slots of positions committed - 1 .. committed - 1 + W, one gather: an entry's token is in the
+    # first of each pair of neighbours, its next token in the second.
+    columns = torch.cat([entry, entry[:, -1:] + 1], dim=1).clamp(max=last_column)
+    slots = req_to_token[rows, columns].to(torch.int64)
+    residual_slots = torch.where(real, slots[:, :-1], junk_residual)
+    next_slots = slots[:, 1:]
     scratch = scratch_base + torch.arange(bs, device=device).unsqueeze(1) * scratch_stride + (b - lens)
     kv_slots = torch.where(kept, next_slots, torch.where(b <= lens + masks, scratch, junk_slot))
 

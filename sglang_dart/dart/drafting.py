@@ -95,9 +95,11 @@ class DraftForward:
         if slots.numel():
             self.residual[slots] = self.drafter.fuse(aux_hidden.to(self.residual.dtype))
 
-    def slots_of(self, rows: list[int], first: list[int], last: list[int]) -> torch.Tensor:
-        """Target slots of positions first[r]..last[r] of each request r (req_to_token row rows[r]), grouped
-        per request (one gather on the device)."""
+    def _table_index(
+        self, rows: list[int], first: list[int], last: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) on the device of positions first[r]..last[r] of each request r (request-table
+        row rows[r]), grouped per request: built on the host, uploaded in one tensor."""
         count_list = [b - a + 1 for a, b in zip(first, last, strict=True)]
         counts, total = torch.tensor(count_list, dtype=torch.int64), sum(count_list)
         index = torch.stack(
@@ -107,6 +109,12 @@ class DraftForward:
             ]
         )
         rows_d, cols_d = upload(index, self.req_to_token.device)
+        return rows_d, cols_d
+
+    def slots_of(self, rows: list[int], first: list[int], last: list[int]) -> torch.Tensor:
+        """Target slots of positions first[r]..last[r] of each request r (req_to_token row rows[r]), grouped
+        per request (one gather on the device)."""
+        rows_d, cols_d = self._table_index(rows, first, last)
         return self.req_to_token[rows_d, cols_d].to(torch.int64)
 
     @torch.no_grad()
@@ -114,36 +122,24 @@ class DraftForward:
         self, rows: list[int], first: list[int], last: list[int], next_tokens: list[int]
     ) -> None:
         """Store the K/V of entries first[r]..last[r]-1 of each request, as `step` would, with no attention,
-        head or mask slots (next_tokens as for `step`: grouped per request, the token after each entry)."""
-        positions: list[int] = []
+        head or mask slots (next_tokens as for `step`: grouped per request, the token after each entry), and
+        their columns of the draft's request table (block steps write it from their own first column on)."""
         tokens: list[int] = []
         offset = 0
         for a, b in zip(first, last, strict=True):  # the newest entry (b) has no slot yet
-            positions.extend(range(a, b))
             tokens.extend(next_tokens[offset : offset + b - a])
             offset += b - a + 1
-        if not positions:
+        if not tokens:
             return
-        positions_d, tokens_d = upload(torch.tensor([positions, tokens], dtype=torch.int64), self.device)
-        residual = self.residual[self.slots_of(rows, first, [b - 1 for b in last])]
-        k, v = self.drafter.project_kv(self.drafter.real_inputs(residual, tokens_d), positions_d)
-        slots = self.slots_of(rows, [a + 1 for a in first], last)  # entry t lives in the slot of t + 1
+        # An entry's position is its column; its residual is its token's, its K/V in the next token's slot.
+        rows_d, entries = self._table_index(rows, first, [b - 1 for b in last])
+        residual = self.residual[self.req_to_token[rows_d, entries].to(torch.int64)]
+        tokens_d = upload(torch.tensor(tokens, dtype=torch.int64), self.device)
+        k, v = self.drafter.project_kv(self.drafter.real_inputs(residual, tokens_d), entries)
+        slots = self.req_to_token[rows_d, entries + 1].to(torch.int64)
         pool = self.draft_runner.token_to_kv_pool
         pool.set_kv_buffer(self.model.attn, KVWriteLoc(slots, None), k, v)
-        # Block steps write the request table from their own first column on: these entries' columns
-        # are written here.
-        table_rows, table_cols = upload(
-            torch.stack(
-                [
-                    torch.tensor(rows, dtype=torch.int64).repeat_interleave(
-                        torch.tensor([b - a for a, b in zip(first, last, strict=True)])
-                    ),
-                    torch.tensor(positions, dtype=torch.int64),
-                ]
-            ),
-            self.device,
-        )
-        self.draft_table[table_rows, table_cols] = slots.to(self.draft_table.dtype)
+        self.draft_table[rows_d, entries] = slots.to(self.draft_table.dtype)
 
     @torch.no_grad()
     def step(
@@ -472,7 +468,6 @@ class Drafting:
             host = VerifiedHost.parse(
                 step.read.numpy(), len(step.rows), step.path_width, step.tree_nodes, step.candidates_shape
             )
-        host.drafting_seconds = step.drafting_seconds
         reqs, now, bs = step.reqs, step.now, len(step.rows)
         new_tokens = [host.new_tokens(i) for i in range(bs)]
         for req, tokens in zip(reqs, new_tokens, strict=True):
@@ -567,7 +562,6 @@ class VerifiedHost:
     predict: list[int]
     probs: np.ndarray | None  # [bs, D, k] float32
     tokens: np.ndarray | None  # [bs, D, k] int64
-    drafting_seconds: float = 0.0
 
     @classmethod
     def parse(

@@ -311,7 +311,7 @@ class DartWorker(NGRAMWorker):
         step, started, size = self._unsettled
         self._unsettled = None
         host = self.drafting.settle(step)
-        self.step_clock.finish(started, len(step.rows), size, sum(host.lens), host.drafting_seconds)
+        self.step_clock.finish(started, len(step.rows), size, sum(host.lens), step.drafting_seconds)
 
     def _verify_trees(
         self, batch: Any, logits_output: Any, verify_input: Any, size: int
