@@ -42,14 +42,17 @@ def main() -> None:
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    sequences = conversations.read_sequences(args.data, tokenizer, 1024).ids
-    random.Random(0).shuffle(sequences)
+    data = conversations.read_sequences(args.data, tokenizer, 1024)
+    pairs = list(zip(data.ids, data.answer_starts, strict=True))
+    random.Random(0).shuffle(pairs)
+    sequences = [ids for ids, _ in pairs[: args.sequences]]
+    starts = [start for _, start in pairs[: args.sequences]]
     target = load_target(args.target, getattr(torch, args.dtype))
     started = time.monotonic()
     cache = None
     if args.feature_cache is not None:
         cache = FeatureCache(args.feature_cache, args.target, target.dtype, target.config.num_hidden_layers)
-    feats = collect_features(target, sequences[: args.sequences], False, SOFT_LABELS, cache)
+    feats = collect_features(target, sequences, False, SOFT_LABELS, cache, starts)
     feats, held_out = split_holdout(feats, 0.1)
     seconds = time.monotonic() - started
     print(f"features of {len(feats)} + {len(held_out)} held-out sequences in {seconds:.0f}s", flush=True)

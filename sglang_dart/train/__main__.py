@@ -33,9 +33,9 @@ from sglang_dart.train.trainer import train
 from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
 
 
-def read_sequences(path: Path, tokenizer, max_len: int) -> list[list[int]]:
-    """The data file's sequences (any format of `conversations.py`); a bad file stops the run at once,
-    before the target is run over it."""
+def read_sequences(path: Path, tokenizer, max_len: int) -> conversations.Sequences:
+    """The data file's sequences (any format of `conversations.py`) and where their answers start; a bad
+    file stops the run at once, before the target is run over it."""
     try:
         sequences = conversations.read_sequences(path, tokenizer, max_len)
     except ValueError as exc:
@@ -43,7 +43,7 @@ def read_sequences(path: Path, tokenizer, max_len: int) -> list[list[int]]:
     if not sequences.ids:
         raise SystemExit(f"{path} holds no usable sequences ({sequences.report()})")
     print(f"{path}: {sequences.report()}", flush=True)
-    return sequences.ids
+    return sequences
 
 
 # Drafter formats other than DART's own: `sglang_dart.train.peer_<name>` trains and saves one in the layout
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    sequences = read_sequences(args.data, tokenizer, args.max_len)
+    data = read_sequences(args.data, tokenizer, args.max_len)
+    sequences = data.ids
     dtype = None if args.target_dtype == "auto" else getattr(torch, args.target_dtype)
     target = load_target(args.target, dtype)
     largest = max(max(seq, default=0) for seq in sequences)
@@ -136,9 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     cache = None
     if args.feature_cache is not None:
         cache = FeatureCache(args.feature_cache, args.target, target.dtype, target.config.num_hidden_layers)
-    feats, held_out = split_holdout(
-        collect_features(target, sequences, soft_labels=soft_labels, cache=cache), args.holdout, args.seed
-    )
+    every = collect_features(target, sequences, True, soft_labels, cache, data.answer_starts)
+    feats, held_out = split_holdout(every, args.holdout, args.seed)
     print(
         f"features of {len(feats) + len(held_out)} sequences in {time.monotonic() - started:.0f}s "
         f"({len(held_out)} held out)",

@@ -7,8 +7,12 @@
     {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
 
 Chat rows go through the target tokenizer's own chat template (a tokenizer without one is an error,
-raised once, before any training). Rows with no usable content (an empty conversation, empty text) are
-skipped and counted; a row in no known format stops the run, naming the file and line.
+raised once, before any training). Each sequence also records where its answer starts: the drafter is
+only ever asked to draft answers, so training and the held-out estimate look at answer positions alone.
+That is `prompt_len` for a row of ids that has it (what `generate` writes), the templated length of the
+turns before the first assistant turn for a chat row, and 0 (every position) where nothing says. Rows with
+no usable content (an empty conversation, empty text) are skipped and counted; a row in no known format
+stops the run, naming the file and line.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class DataFormatError(ValueError):
 @dataclass
 class Sequences:
     ids: list[list[int]] = field(default_factory=list)
+    answer_starts: list[int] = field(default_factory=list)  # index of each sequence's first answer token
     skipped: Counter = field(default_factory=Counter)  # reason -> rows
 
     def report(self) -> str:
@@ -91,19 +96,40 @@ def templated_ids(
     return [int(i) for i in ids]
 
 
-def row_ids(row: Any, tokenizer: Any) -> list[int] | None:
-    """Token ids of one row, or None for a row with nothing in it (counted as skipped by the caller)."""
+def _answer_start(tokenizer: Any, messages: list[dict[str, str]], ids: list[int]) -> int:
+    """Templated length of the turns before the first assistant turn, with the assistant header the template
+    adds, as far as the whole conversation's ids share it (tokens can merge across the header's end); 0
+    where there is no assistant turn."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if not first:
+        return 0
+    prefix = templated_ids(tokenizer, messages[:first], add_generation_prompt=True)
+    shared = 0
+    for a, b in zip(prefix, ids, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return shared
+
+
+def row_sequence(row: Any, tokenizer: Any) -> tuple[list[int], int] | None:
+    """(token ids, index of the first answer token) of one row, or None for a row with nothing in it."""
     if not isinstance(row, dict):
         raise DataFormatError("each line must be a JSON object")
     if "input_ids" in row:
-        return [int(i) for i in row["input_ids"]] or None
+        ids = [int(i) for i in row["input_ids"]]
+        start = row.get("prompt_len", 0)
+        if not isinstance(start, int) or start < 0:
+            raise DataFormatError(f"'prompt_len' must be a non-negative integer, not {start!r:.40}")
+        return (ids, start) if ids else None
     if "text" in row:
-        return tokenizer(row["text"])["input_ids"] if str(row["text"]).strip() else None
+        return (tokenizer(row["text"])["input_ids"], 0) if str(row["text"]).strip() else None
     if "messages" in row or "conversations" in row:
         messages = chat_messages(row)
         if not any(m["content"].strip() for m in messages):
             return None
-        return templated_ids(tokenizer, messages)
+        ids = templated_ids(tokenizer, messages)
+        return ids, _answer_start(tokenizer, messages, ids)
     raise DataFormatError(
         "unknown row format: expected 'input_ids', 'text', 'messages' (OpenAI) or 'conversations' (ShareGPT)"
     )
@@ -122,15 +148,20 @@ def read_sequences(path: Path, tokenizer: Any, max_len: int) -> Sequences:
                 f"{path}:{line_no}: a chat row, but the target's tokenizer has no chat template"
             )
         try:
-            ids = row_ids(row, tokenizer)
+            parsed = row_sequence(row, tokenizer)
         except DataFormatError as exc:
             raise DataFormatError(f"{path}:{line_no}: {exc}") from None
-        if ids is None:
+        if parsed is None:
             out.skipped["empty"] += 1
-        elif len(ids) < 3:
+            continue
+        ids, start = parsed[0][:max_len], parsed[1]
+        if len(ids) < 3:
             out.skipped["shorter than 3 tokens"] += 1
+        elif start >= len(ids):  # the answer lies beyond --max-len: nothing the drafter is asked for
+            out.skipped["no answer within --max-len"] += 1
         else:
-            out.ids.append(ids[:max_len])
+            out.ids.append(ids)
+            out.answer_starts.append(start)
     return out
 
 

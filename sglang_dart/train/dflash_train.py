@@ -95,10 +95,10 @@ def block_loss(
     return BlockLoss(total / weights, stats)
 
 
-def sample_anchors(length: int, count: int, rng: random.Random) -> torch.Tensor:
-    """Sorted anchors in [1, length): every block has at least one earlier position as context (the DART
-    trainer's draw over [0, length - 1), shifted by one: the same draws from the same generator)."""
-    return 1 + trainer.sample_anchors(length - 1, count, rng)
+def sample_anchors(length: int, count: int, rng: random.Random, first: int = 0) -> torch.Tensor:
+    """Sorted anchors in [max(1, first), length): every block has at least one earlier position as context,
+    and none starts before `first` (the sequence's answer; anchor s is DART's anchor s)."""
+    return trainer.sample_anchors(length, count, rng, max(1, first))
 
 
 def train(
@@ -116,7 +116,8 @@ def train(
         raise ValueError("no training sequence has the 2 tokens an anchor block needs")
 
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
-        anchors = sample_anchors(feats.input_ids.shape[0], settings.anchors_per_sequence, rng)
+        length = feats.input_ids.shape[0]
+        anchors = sample_anchors(length, settings.anchors_per_sequence, rng, feats.first_anchor())
         result = block_loss(model, target, feats, anchors, block, mask_id, settings.row_decay)
         return result.loss, result.stats
 
@@ -160,9 +161,9 @@ def estimate_acceptance(
     model.eval()
     for feats in data:
         length = feats.input_ids.shape[0] - block + 2  # anchors s < length have labels up to s + block - 2
-        if length <= 1:
+        if length <= max(1, feats.first_anchor()):
             continue
-        anchors = sample_anchors(length, max_anchors_per_sequence, rng)
+        anchors = sample_anchors(length, max_anchors_per_sequence, rng, feats.first_anchor())
         with cpu_bf16_autocast(bf16_autocast, feats.taps):
             logits = block_logits(model, target, feats, anchors, block, mask_id)
         hits = logits.float().argmax(-1) == block_labels(feats, anchors, block)

@@ -22,26 +22,32 @@ from sglang_dart.train.vocab import DraftVocab
 @dataclass(frozen=True)
 class Window:
     """Draft position p (0-based in the window) carries taps[p] and tokens[p] and is supervised by
-    labels[p] (the target's greedy token two places after the tap's position)."""
+    labels[p] (the target's greedy token two places after the tap's position). A chain of unrolled steps
+    starts at a position from `first_origin` on (the sequence's answer: a prompt is never drafted)."""
 
     taps: torch.Tensor  # [n, 3H]
     tokens: torch.Tensor  # [n]
     labels: torch.Tensor  # [n] draft ids, -100 outside the draft vocabulary
+    first_origin: int = 0
 
 
 def window_of(feats: SequenceFeatures, vocab: DraftVocab, start: int, length: int) -> Window:
-    """Position p of the sequence: taps of p, token p + 1, label = the target's argmax at p + 1."""
+    """Position p of the sequence: taps of p, token p + 1, label = the target's argmax at p + 1. Position p
+    is DART's anchor p (the root x_{p+1} follows it), so chains start from `feats.first_anchor()` on."""
     end = min(start + length, feats.input_ids.shape[0] - 1)
     return Window(
         feats.taps[start:end],
         feats.input_ids[start + 1 : end + 1],
         vocab.to_draft(feats.labels[start + 1 : end + 1]),
+        max(feats.first_anchor() - start, 0),
     )
 
 
-def step_rows(logits: list[torch.Tensor], labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(logits, labels) of the positions each unrolled step is defined at (p >= step)."""
-    return [(step_logits[k:], labels[k:]) for k, step_logits in enumerate(logits)]
+def step_rows(logits: list[torch.Tensor], window: Window) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, labels) of the positions each unrolled step k is defined at: p >= k, and its chain's origin
+    p - k from the window's first origin on."""
+    skip = window.first_origin
+    return [(step_logits[k + skip :], window.labels[k + skip :]) for k, step_logits in enumerate(logits)]
 
 
 def window_loss(
@@ -50,7 +56,7 @@ def window_loss(
     logits = model.ttt_logits(window.taps.to(model.fc.weight.dtype), window.tokens, steps)
     stats = RowStats()
     losses, weights = [], []
-    for k, (rows, labels) in enumerate(step_rows(logits, window.labels)):
+    for k, (rows, labels) in enumerate(step_rows(logits, window)):
         keep = labels >= 0
         if not bool(keep.any()):
             continue
@@ -110,12 +116,12 @@ def estimate_acceptance(
         for feats in data:
             win = window_of(feats, vocab, 0, window)
             n = win.tokens.shape[0]
-            count = n - ttt_steps + 1
+            count = n - ttt_steps + 1 - win.first_origin
             if count <= 0:
                 continue
             with cpu_bf16_autocast(bf16_autocast, feats.taps):
                 logits = model.ttt_logits(win.taps.to(model.fc.weight.dtype), win.tokens, ttt_steps)
-            a = torch.arange(count)
+            a = win.first_origin + torch.arange(count)
             rows = torch.stack([logits[j][a + j].float() for j in range(ttt_steps)], dim=1)  # [A, steps, Vd]
             labels = torch.stack([win.labels[a + j] for j in range(ttt_steps)], dim=1)
             top1 = (rows.argmax(-1) == labels) & (labels >= 0)

@@ -5,7 +5,8 @@ p+1, p+2, ...; greedy verification of a chain (the top-1 token of every row) acc
 are right, plus the target's own next token: tau_chain = 1 + (number of leading rows right). With the k
 best tokens of each row in the tree, a row counts while the target's token is among its k best: an upper
 bound on what a tree of k per depth could accept (the pruner keeps <= 60 of those paths, so real trees sit
-between the two). Both are means over every anchor of the held-out sequences.
+between the two). Both are means over the anchors of the held-out sequences' answers (a prompt's positions
+are never drafted when serving, and a chat template's fixed system prompt would flatter the figures).
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def estimate_acceptance(
             num_real = feats.input_ids.shape[0] - 1
             # Anchors whose d + 1 rows all have a label (the window ends inside the sequence): a run cut
             # short by the sequence's end would count as a miss.
-            if num_real - d <= 0:
+            first = feats.first_anchor()
+            if num_real - d <= first:
                 continue
-            anchors = sample_anchors(num_real - d, max_anchors_per_sequence, rng)
+            anchors = sample_anchors(num_real - d, max_anchors_per_sequence, rng, first)
             with cpu_bf16_autocast(bf16_autocast, feats.taps):
                 out = block_logits(
                     model, feats.taps[:num_real].to(model.fc.weight.dtype), feats.input_ids[1:], anchors

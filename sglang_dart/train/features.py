@@ -30,6 +30,11 @@ class SequenceFeatures:
     labels: torch.Tensor  # [T] target argmax at each position (predicts the token after it)
     soft_ids: torch.Tensor | None = None  # [T, K] the target's K most likely tokens there
     soft_probs: torch.Tensor | None = None  # [T, K] their probabilities (bf16)
+    answer_start: int = 0  # index of the first answer token: anchors before it are never served
+
+    def first_anchor(self) -> int:
+        """The first real position an anchor may sit at: the one predicting the answer's first token."""
+        return min(max(self.answer_start - 1, 0), max(self.input_ids.shape[0] - 2, 0))
 
 
 # Soft labels kept per position: 96 bytes a position, under 3% of the taps of a 576-wide target.
@@ -63,15 +68,21 @@ def collect_features(
     progress: bool = True,
     soft_labels: int = 0,
     cache: FeatureCache | None = None,
+    answer_starts: list[int] | None = None,
 ) -> list[SequenceFeatures]:
-    """Every sequence's features, read from `cache` where it has them (and written to it where not)."""
+    """Every sequence's features, read from `cache` where it has them (and written to it where not), each
+    with its `answer_starts` entry (0, every position, where none is given)."""
     feats = []
+    starts = answer_starts if answer_starts is not None else [0] * len(sequences)
+    if len(starts) != len(sequences):
+        raise ValueError(f"{len(starts)} answer starts for {len(sequences)} sequences")
     for i, ids in enumerate(sequences):
         cached = None if cache is None else cache.get(ids, soft_labels)
         if cached is None:
             cached = sequence_features(target, ids, soft_labels)
             if cache is not None:
                 cache.put(cached)
+        cached.answer_start = starts[i]
         feats.append(cached)
         if progress and (i + 1) % 50 == 0:
             print(f"features: {i + 1}/{len(sequences)} sequences", flush=True)

@@ -81,7 +81,9 @@ def sequence_loss(
     soft_weight: float = 0.0,
 ) -> SequenceLoss:
     """Real position t (t < T-1) carries (taps_t, x_{t+1}); row i of the anchor at p is supervised by the
-    target's argmax at position p+1+i (and, with `soft_weight`, by its distribution there)."""
+    target's argmax at position p+1+i (and, with `soft_weight`, by its distribution there). Row 0 learns at
+    the real positions from `feats.first_anchor()` on: a drafter is only served answers, and a prompt's
+    positions (a chat template's system prompt above all) would teach it text it is never asked for."""
     d = model.cfg.draft_length
     num_real = feats.input_ids.shape[0] - 1
     taps = feats.taps[:num_real].to(model.fc.weight.dtype)
@@ -89,7 +91,8 @@ def sequence_loss(
     labels = vocab.to_draft(feats.labels)  # draft ids, -100 outside the draft vocabulary
     stats = RowStats()
     weighted, weights = [], []
-    row0_labels = labels[1 : num_real + 1]
+    row0_labels = labels[1 : num_real + 1].clone()
+    row0_labels[: feats.first_anchor()] = -100
     label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1)  # [A, d]
     valid = label_index < labels.shape[0]
     clamped = label_index.clamp(max=labels.shape[0] - 1)
@@ -146,9 +149,10 @@ def cpu_bf16_autocast(enabled: bool, taps: torch.Tensor) -> AbstractContextManag
     return nullcontext()
 
 
-def sample_anchors(num_real: int, count: int, rng: random.Random) -> torch.Tensor:
-    count = min(count, num_real)
-    return torch.tensor(sorted(rng.sample(range(num_real), count)), dtype=torch.long)
+def sample_anchors(num_real: int, count: int, rng: random.Random, first: int = 0) -> torch.Tensor:
+    """`count` distinct anchors (at most all) among real positions first..num_real-1, sorted."""
+    count = min(count, num_real - first)
+    return torch.tensor(sorted(rng.sample(range(first, num_real), count)), dtype=torch.long)
 
 
 def lr_factor(settings: TrainSettings, step: int, elapsed: float) -> float:
@@ -250,7 +254,8 @@ def train(
         raise ValueError("no training sequence has the 3 tokens an anchor needs")
 
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
-        anchors = sample_anchors(feats.input_ids.shape[0] - 1, settings.anchors_per_sequence, rng)
+        num_real = feats.input_ids.shape[0] - 1
+        anchors = sample_anchors(num_real, settings.anchors_per_sequence, rng, feats.first_anchor())
         result = sequence_loss(model, feats, vocab, anchors, settings.row_decay, settings.soft_weight)
         return result.loss, result.stats
 

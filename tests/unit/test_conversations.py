@@ -53,6 +53,37 @@ def test_openai_and_sharegpt_rows_become_the_same_templated_ids(tokenizer, tmp_p
     assert not got.skipped and got.report() == "4 sequences"
 
 
+def test_each_sequence_records_where_its_answer_starts(tokenizer, tmp_path):
+    """Chat rows: the templated turns before the first assistant turn, with the assistant header; rows of
+    ids: their `prompt_len` (what `generate` writes); text: 0. An answer cut off by --max-len is a counted
+    skip, and a malformed prompt_len names its line."""
+    chat = [
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "    return a + b"},
+        {"role": "user", "content": "and sub?"},
+        {"role": "assistant", "content": "    return a - b"},
+    ]
+    rows = [
+        {"messages": chat},
+        {"input_ids": [5, 6, 7, 8, 9], "prompt_len": 3},
+        {"text": "import os\n"},
+        {"messages": chat[:1]},  # no assistant turn: every position
+        # with --max-len 3, this row, the first and the second lose their answers
+        {"input_ids": [5, 6, 7, 8], "prompt_len": 4},
+    ]
+    got = read_sequences(_write(tmp_path / "d.jsonl", rows), tokenizer, max_len=1000)
+    header = tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True)
+    header = header["input_ids"] if hasattr(header, "keys") else header
+    start = got.answer_starts[0]
+    assert len(header) - 2 <= start <= len(header) and got.ids[0][:start] == list(header)[:start]
+    assert got.answer_starts[1:4] == [3, 0, 0]
+    short = read_sequences(_write(tmp_path / "s.jsonl", rows), tokenizer, max_len=3)
+    assert short.skipped["no answer within --max-len"] == 3 and len(short.ids) == len(short.answer_starts)
+    with pytest.raises(DataFormatError, match=r"b.jsonl:1: 'prompt_len'"):
+        bad = [{"input_ids": [1, 2, 3], "prompt_len": "x"}]
+        read_sequences(_write(tmp_path / "b.jsonl", bad), tokenizer, 9)
+
+
 def test_empty_rows_are_counted_not_fatal(tokenizer, tmp_path):
     rows = [
         {"messages": []},

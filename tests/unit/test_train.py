@@ -17,6 +17,7 @@ from sglang_dart.train.features import SequenceFeatures, sequence_features
 from sglang_dart.train.trainer import (
     TrainSettings,
     progress_line,
+    sample_anchors,
     sequence_loss,
     soft_cross_entropy,
     train,
@@ -146,6 +147,50 @@ def test_degenerate_data_fails_clearly_or_contributes_nothing():
     feats = SequenceFeatures(torch.tensor([1, 2, 3, 4]), torch.zeros(4, 96), torch.full((4,), outside))
     result = sequence_loss(model, feats, vocab, torch.tensor([0, 1]), 0.8)
     assert float(result.loss.detach()) == 0.0 and result.stats.total == []
+
+
+# --- answers only ---------------------------------------------------------------------------------------
+
+
+def _with_answer_start(feats: SequenceFeatures, start: int, prompt_labels: torch.Tensor | None = None):
+    labels = feats.labels.clone()
+    if prompt_labels is not None:
+        labels[:start] = prompt_labels[:start]
+    return SequenceFeatures(feats.input_ids, feats.taps, labels, answer_start=start)
+
+
+def test_the_loss_never_looks_at_the_prompts_labels():
+    """Row 0 learns at real positions from the one predicting the answer's first token on: labels inside the
+    prompt (what the target would say there) change nothing once the answer start is known, and change
+    the loss when it is not (so the check can fail)."""
+    model, _, vocab = _drafter()
+    feats = _copy_task(count=1, length=24, seed=3)[0]
+    noise = torch.randint(0, 50, (24,), generator=torch.Generator().manual_seed(7))
+    start = 9
+    anchors = torch.tensor([8, 12, 20])  # from first_anchor() = start - 1 on
+    with torch.no_grad():
+        clean = sequence_loss(model, _with_answer_start(feats, start), vocab, anchors, 0.8)
+        noisy = sequence_loss(model, _with_answer_start(feats, start, noise), vocab, anchors, 0.8)
+        unmarked = sequence_loss(model, _with_answer_start(feats, 0, noise), vocab, anchors, 0.8)
+    torch.testing.assert_close(noisy.loss, clean.loss)
+    assert noisy.stats.total[0] == 24 - 1 - (start - 1)  # row 0 at real positions 8..22
+    assert not torch.allclose(unmarked.loss, clean.loss)
+
+
+def test_anchors_are_drawn_from_the_answer():
+    rng = __import__("random").Random(0)
+    drawn = sample_anchors(20, 64, rng, first=15)
+    assert drawn.tolist() == [15, 16, 17, 18, 19]
+    assert sample_anchors(20, 3, rng, first=4).min() >= 4
+    feats = SequenceFeatures(torch.arange(10), torch.zeros(10, 96), torch.arange(10), answer_start=30)
+    assert feats.first_anchor() == 8  # an answer start past the end leaves the last real position
+
+
+def test_acceptance_estimate_counts_answer_anchors_only():
+    held_out = [_with_answer_start(f, 10) for f in _copy_task(count=3, length=24, seed=3, sequence_seed=9)]
+    model, _, vocab = _drafter()
+    estimate = estimate_acceptance(model, held_out, vocab, k=4, bf16_autocast=False)
+    assert estimate.anchors == 3 * (24 - (D + 1) - 9)  # anchors 9 .. 19 of each
 
 
 # --- soft labels -----------------------------------------------------------------------------------------
