@@ -7,9 +7,11 @@
 #
 # The prompts: the built-in synthetic pool (~860), MAGPIE (default 2800) user turns the target writes itself
 # under its default system prompt (chat), and MAGPIE_CODE (default 1400) written under a coding assistant's
-# system prompt (code questions): about 5,000 answers, some 2 hours of generation on a 2-core VM.
+# system prompt (code questions), and CODE_PROMPTS (default 700) code-assistant tasks around functions and
+# classes of Python's own library (`sglang_dart.train.code_prompts`: code pasted into the prompt, which
+# Magpie's prompts rarely hold): about 5,700 answers, some 2 hours of generation on a 2-core VM.
 # The answers committed in COMMITTED (default data/smollm2-answers, *.jsonl.gz: made by the same tools,
-# see its README) join them, one answer per prompt; MAGPIE=0 MAGPIE_CODE=0 trains on those alone.
+# see its README) join them, one answer per prompt; MAGPIE=0 MAGPIE_CODE=0 CODE_PROMPTS=0 trains on those alone.
 # DTYPE (default bfloat16) is the target dtype of generation and training; use the dtype you will serve in
 # (float32 on CPUs without bf16 matrix instructions, where it is several times faster). TRAIN_MINUTES
 # (default 60) and MAX_STEPS (default 3000) bound training, whichever ends first; CONCURRENCY (default 32)
@@ -27,6 +29,7 @@ MAX_STEPS=${MAX_STEPS:-3000}
 CONCURRENCY=${CONCURRENCY:-32}
 MAGPIE=${MAGPIE:-2800}
 MAGPIE_CODE=${MAGPIE_CODE:-1400}
+CODE_PROMPTS=${CODE_PROMPTS:-700}
 COMMITTED=${COMMITTED:-data/smollm2-answers}
 INIT=${INIT:-}
 LR=${LR:-1e-3}
@@ -46,11 +49,18 @@ if [ ! -s "$OUT/answers.jsonl" ]; then
     "${generate[@]}" --out "$OUT/answers-code.jsonl" --num-prompts 0 --magpie "$MAGPIE_CODE" \
       --magpie-system "$CODE_SYSTEM"
   fi
+  if [ "$CODE_PROMPTS" -gt 0 ]; then
+    stdlib=$($PY -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+    $PY -m sglang_dart.train.code_prompts --source "$stdlib" --out "$OUT/code-prompts.jsonl" \
+      --count "$CODE_PROMPTS" --exclude-file "$OUT/bench_prompts.txt"
+    "${generate[@]}" --out "$OUT/answers-code-in-prompt.jsonl" --prompts "$OUT/code-prompts.jsonl" \
+      --num-prompts "$CODE_PROMPTS"
+  fi
   shopt -s nullglob
   # One answer per prompt: a user turn two runs happened to write is kept once. Committed answers are
   # checked against today's benchmark prompts too (the set may have grown since they were made).
   $PY - "$OUT/answers.jsonl" "$OUT/bench_prompts.txt" "$COMMITTED"/*.jsonl.gz "$OUT/answers-chat.jsonl" \
-    "$OUT/answers-code.jsonl" <<'PYEOF'
+    "$OUT/answers-code.jsonl" "$OUT/answers-code-in-prompt.jsonl" <<'PYEOF'
 import gzip, json, os, sys
 seen, kept = set(open(sys.argv[2]).read().splitlines()), []
 for path in filter(os.path.exists, sys.argv[3:]):
