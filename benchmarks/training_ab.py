@@ -56,7 +56,7 @@ def main() -> None:
     feats, held_out = split_holdout(feats, 0.1)
     seconds = time.monotonic() - started
     print(f"features of {len(feats)} + {len(held_out)} held-out sequences in {seconds:.0f}s", flush=True)
-    vocab = most_frequent_vocab([f.labels for f in feats], target.config.vocab_size, 8192)
+    vocab = most_frequent_vocab([f.answer_labels() for f in feats], target.config.vocab_size, 8192)
     config = draft_config_dict(target.config.to_dict(), 7, vocab.size)
     embed = target.get_input_embeddings().weight.detach()
     lm_head = target.get_output_embeddings().weight.detach()

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab = vocab_from_d2t(model.d2t, vocab_size)
         config = json.loads((args.init / "config.json").read_text())
     else:
-        vocab = most_frequent_vocab([f.labels for f in feats], vocab_size, args.draft_vocab_size)
+        vocab = most_frequent_vocab([f.answer_labels() for f in feats], vocab_size, args.draft_vocab_size)
         config = draft_config_dict(target_config, args.draft_length, vocab.size)
         lm_head = target.get_output_embeddings().weight.detach()
         model = new_drafter(config, embed, lm_head, vocab, seed=args.seed)

@@ -36,6 +36,11 @@ class SequenceFeatures:
         """The first real position an anchor may sit at: the one predicting the answer's first token."""
         return min(max(self.answer_start - 1, 0), max(self.input_ids.shape[0] - 2, 0))
 
+    def answer_labels(self) -> torch.Tensor:
+        """The labels a drafter learns from (row 0 at the first anchor on): what a draft vocabulary should
+        cover, without the prompt's."""
+        return self.labels[self.first_anchor() + 1 :]
+
 
 # Soft labels kept per position: 96 bytes a position, under 3% of the taps of a 576-wide target.
 SOFT_LABELS = 16

@@ -38,7 +38,7 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
     if args.init:
         model, config, vocab = eagle3_checkpoint.load(args.init, target)
     else:
-        vocab = most_frequent_vocab([f.labels for f in feats], vocab_size, args.draft_vocab_size)
+        vocab = most_frequent_vocab([f.answer_labels() for f in feats], vocab_size, args.draft_vocab_size)
         model, config = eagle3_checkpoint.new_drafter(target, vocab, seed=args.seed)
     print(
         f"EAGLE3 drafter: draft vocabulary {vocab.size}, {args.eagle3_ttt_steps} unrolled steps, "

@@ -184,6 +184,9 @@ def test_anchors_are_drawn_from_the_answer():
     assert sample_anchors(20, 3, rng, first=4).min() >= 4
     feats = SequenceFeatures(torch.arange(10), torch.zeros(10, 96), torch.arange(10), answer_start=30)
     assert feats.first_anchor() == 8  # an answer start past the end leaves the last real position
+    answer = SequenceFeatures(torch.arange(10), torch.zeros(10, 96), torch.arange(10) * 2, answer_start=6)
+    # row 0 at anchor 5 learns labels[6]: the answer's labels, the ones a draft vocabulary should hold
+    assert answer.answer_labels().tolist() == [12, 14, 16, 18]
 
 
 def test_acceptance_estimate_counts_answer_anchors_only():
