@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     cache = None
     if args.feature_cache is not None:
         cache = FeatureCache(args.feature_cache, args.target, target.dtype, target.config.num_hidden_layers)
-    every = collect_features(target, sequences, True, soft_labels, cache, data.answer_starts)
+    every = collect_features(
+        target, sequences, soft_labels=soft_labels, cache=cache, answer_starts=data.answer_starts
+    )
     feats, held_out = split_holdout(every, args.holdout, args.seed)
     print(
         f"features of {len(feats) + len(held_out)} sequences in {time.monotonic() - started:.0f}s "
