@@ -9,7 +9,10 @@ Three forms compute the same product:
 - `rust`: `sglang_dart._core.skinny_matmul` (float32, up to 64 rows), which reads each weight row once
   for all input rows (AVX2/FMA where the CPU has them), on the calling thread plus a small team of
   helper threads (`rust/dart-core/src/team.rs`). In the server on the EPYC it beat the BLAS at 1-31 rows
-  on every SmolLM2 layer and the lm_head (benchmarks/results/throughput.md, run 15).
+  on every SmolLM2 layer and the lm_head (benchmarks/results/throughput.md, run 15). For bf16 weights
+  `skinny_matmul_bf16` does the same with AVX512-BF16 dot products (float32 sums, rounded once): on the
+  AVX512-BF16 EPYC all of SmolLM2's linears took 9-11 ms for one row against torch's 23-24, 21 against 27
+  for 8 rows, and level at 16 (run 43). It is offered where the CPU has AVX512-BF16 and no AMX (`rust_dtypes`).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
 weight shape, dtype and row-count bucket (1, 2-3, 4-7, 8-15, ...), on its own serving calls: the first
 calls of a bucket rotate through the forms and are timed, then the fastest is kept.
@@ -40,7 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_dart._core import SKINNY_MATMUL_MAX_ROWS, skinny_matmul
+import numpy as np
+
+from sglang_dart._core import (
+    SKINNY_BF16_NATIVE,
+    SKINNY_MATMUL_MAX_ROWS,
+    skinny_matmul,
+    skinny_matmul_bf16,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +123,35 @@ def _size_rust_team() -> None:
     size_rust_team(torch.get_num_threads())  # as many threads as torch's pool here
 
 
+def _bf16_bits(t: torch.Tensor) -> np.ndarray:
+    # numpy has no bfloat16: the same bytes as uint16, no copy.
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
 def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _size_rust_team()
     out = x.new_empty(x.shape[0], weight.shape[0])
-    skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
+    if x.dtype == torch.bfloat16:
+        skinny_matmul_bf16(_bf16_bits(x.contiguous()), _bf16_bits(weight.detach()), _bf16_bits(out))
+    else:
+        skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
     return out
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a private torch function: another torch version may lack it
+        return False
+
+
+@functools.cache
+def rust_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes the Rust product takes here: float32 always; bf16 where the CPU has AVX512-BF16
+    and no AMX, or where the form is forced. Without AVX512-BF16 its portable path is only correct, not
+    fast; with AMX torch's bf16 products use the tiles, which this kernel has not been measured against."""
+    native_bf16 = (SKINNY_BF16_NATIVE and not _cpu_has_amx()) or mode() == "rust"
+    return (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,)
 
 
 PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -129,7 +163,8 @@ PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 def _forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ...]:
     rust_fits = (
-        weight.dtype == x.dtype == torch.float32
+        weight.dtype == x.dtype
+        and weight.dtype in rust_dtypes()
         and rows <= SKINNY_MATMUL_MAX_ROWS
         and weight.is_contiguous()
         # The Rust product has no backward: training (the drafter's) stays with torch.

@@ -10,8 +10,8 @@ cores: their few-row products run on the Rust team (`skinny_gemm`), which does n
 So forwards of at most `SGLANG_DART_SMALL_STEP_TOKENS` tokens (default 64, the Rust product's reach; 0
 turns this off) set torch to one thread, and larger ones (prefill, big batches) restore the process's
 configured count, read at the first forward. Only models whose linears the Rust product can take
-(float32, `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: other dtypes' linears (SGLang packs
-weights for AMX only for 16- and 8-bit dtypes) run on torch's pool, which needs every thread. The
+(float32, and bf16 where `skinny_gemm.rust_dtypes` offers it; `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust)
+are switched: other linears run on torch's pool, which needs every thread. The
 setting stays in force after the forward, so the sampler and the DART worker's draft forward and top-k
 of a small step run single-threaded too.
 Where this is on, the Rust team's helpers also poll for 1 ms after each product before sleeping
@@ -85,7 +85,7 @@ def _forward_tokens(forward_batch: Any) -> int:
 
 def rust_takes_the_linears(model_runner: Any) -> bool:
     return (
-        getattr(model_runner, "dtype", None) == torch.float32
+        getattr(model_runner, "dtype", None) in skinny_gemm.rust_dtypes()
         and str(getattr(model_runner, "device", "cpu")) == "cpu"
         and skinny_gemm.mode() in ("auto", "rust")
     )

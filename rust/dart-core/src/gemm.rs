@@ -89,13 +89,25 @@ fn check_shapes(
     k: usize,
     n: usize,
 ) -> Result<(), GemmError> {
+    check_lengths(x.len(), w.len(), out.len(), rows, k, n)
+}
+
+/// The row limit and the three lengths a `rows x k` by `n x k` product needs (any element type).
+pub(crate) fn check_lengths(
+    x_len: usize,
+    w_len: usize,
+    out_len: usize,
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<(), GemmError> {
     if rows > MAX_ROWS {
         return Err(GemmError::Shape(format!("{rows} rows, at most {MAX_ROWS}")));
     }
     for (name, len, want) in [
-        ("x", x.len(), rows * k),
-        ("w", w.len(), n * k),
-        ("out", out.len(), rows * n),
+        ("x", x_len, rows * k),
+        ("w", w_len, n * k),
+        ("out", out_len, rows * n),
     ] {
         if len != want {
             return Err(GemmError::Shape(format!(

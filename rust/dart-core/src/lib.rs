@@ -4,6 +4,7 @@
 
 pub mod context;
 pub mod gemm;
+pub mod gemm_bf16;
 pub mod model;
 pub mod prune;
 pub mod store;

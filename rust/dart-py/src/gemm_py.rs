@@ -1,18 +1,16 @@
-//! Python binding of `dart_core::gemm::skinny_matmul`: `skinny_matmul(x, w, out)` on float32 numpy
-//! arrays (torch tensors pass through `.numpy()` without a copy). Runs with the GIL released.
-use dart_core::gemm;
+//! Python bindings of `dart_core::gemm::skinny_matmul` and `gemm_bf16::skinny_matmul_bf16`: `skinny_matmul(x, w, out)`
+//! on float32 numpy arrays, `skinny_matmul_bf16` on bf16 bits (torch tensors pass through `.numpy()` without a copy). Runs with the GIL released.
+use dart_core::{gemm, gemm_bf16};
 use numpy::{PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-/// out[m, j] = sum_i x[m, i] * w[j, i] for C-contiguous float32 x [rows, k], w [n, k], out [rows, n].
-#[pyfunction]
-fn skinny_matmul(
-    py: Python<'_>,
-    x: PyReadonlyArray2<'_, f32>,
-    w: PyReadonlyArray2<'_, f32>,
-    mut out: PyReadwriteArray2<'_, f32>,
-) -> PyResult<()> {
+/// The (rows, k, n) of `out = x @ w.T`, once the shapes fit and every array is C-contiguous.
+fn product_shape<T: numpy::Element>(
+    x: &PyReadonlyArray2<'_, T>,
+    w: &PyReadonlyArray2<'_, T>,
+    out: &PyReadwriteArray2<'_, T>,
+) -> PyResult<(usize, usize, usize)> {
     let (rows, k) = (x.shape()[0], x.shape()[1]);
     let n = w.shape()[0];
     if w.shape()[1] != k || out.shape() != [rows, n] {
@@ -35,7 +33,22 @@ fn skinny_matmul(
             )));
         }
     }
-    let not_contiguous = |_| PyValueError::new_err("skinny matmul: an array is not contiguous");
+    Ok((rows, k, n))
+}
+
+fn not_contiguous(_: numpy::NotContiguousError) -> PyErr {
+    PyValueError::new_err("skinny matmul: an array is not contiguous")
+}
+
+/// out[m, j] = sum_i x[m, i] * w[j, i] for C-contiguous float32 x [rows, k], w [n, k], out [rows, n].
+#[pyfunction]
+fn skinny_matmul(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    w: PyReadonlyArray2<'_, f32>,
+    mut out: PyReadwriteArray2<'_, f32>,
+) -> PyResult<()> {
+    let (rows, k, n) = product_shape(&x, &w, &out)?;
     let x = x.as_slice().map_err(not_contiguous)?;
     let w = w.as_slice().map_err(not_contiguous)?;
     let out = out.as_slice_mut().map_err(not_contiguous)?;
@@ -43,7 +56,27 @@ fn skinny_matmul(
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// The same product in bfloat16: x, w and out hold bf16 bits as uint16 (a torch bf16 tensor passes as
+/// `t.view(torch.int16).numpy().view(numpy.uint16)`, without a copy); float32 sums, rounded once.
+#[pyfunction]
+fn skinny_matmul_bf16(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, u16>,
+    w: PyReadonlyArray2<'_, u16>,
+    mut out: PyReadwriteArray2<'_, u16>,
+) -> PyResult<()> {
+    let (rows, k, n) = product_shape(&x, &w, &out)?;
+    let x = x.as_slice().map_err(not_contiguous)?;
+    let w = w.as_slice().map_err(not_contiguous)?;
+    let out = out.as_slice_mut().map_err(not_contiguous)?;
+    py.detach(|| gemm_bf16::skinny_matmul_bf16(x, w, out, rows, k, n))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SKINNY_MATMUL_MAX_ROWS", gemm::MAX_ROWS)?;
-    m.add_function(wrap_pyfunction!(skinny_matmul, m)?)
+    // Whether the bf16 product runs its AVX512-BF16 kernel here (else a slow portable path).
+    m.add("SKINNY_BF16_NATIVE", gemm_bf16::native_kernel())?;
+    m.add_function(wrap_pyfunction!(skinny_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(skinny_matmul_bf16, m)?)
 }

@@ -1,0 +1,317 @@
+//! `out = x @ w.T` in bfloat16 for a few rows of `x` (1..=64): the linear layers of a bf16 target's
+//! decode at small batches and of its tree verification.
+//!
+//! On the 2-core EPYC with AVX512-BF16 torch's bf16 linears ran 4-7x slower than the memory holding the
+//! weights can be read (all of SmolLM2-135M's linears: 23 ms for one row, 28 ms for 8, where summing the
+//! same 269 MB took 5 ms; benchmarks/results/throughput.md, run 43). Here each weight row is read once
+//! and multiplied into every input row while it is in L1, 32 bf16 pairs per `vdpbf16ps`, with float32
+//! accumulators, then rounded once to bf16 (nearest even), as torch rounds its float32 sums.
+//!
+//! Every output element is computed by the same sequence of operations whatever the number of rows and
+//! wherever its row falls in a tile, so a row's result does not depend on the other rows of the call: a
+//! token gets bit-identical linears whether it is verified in a tree of 8 or decoded alone.
+//! Without AVX512-BF16 a portable path computes the same products (float32 sums in another order); it
+//! exists for correctness, not speed (`native_kernel` says which one runs).
+
+use std::sync::{Mutex, PoisonError};
+
+#[cfg(test)]
+use crate::gemm::MAX_ROWS;
+use crate::gemm::{check_lengths, GemmError};
+use crate::team;
+
+/// bf16 values per 512-bit vector.
+const LANES: usize = 32;
+/// Output columns (weight rows) per claimed task, as in the float32 product.
+const COLUMNS_PER_TASK: usize = 64;
+
+/// Whether this CPU runs the AVX512-BF16 kernel (else the portable path runs).
+pub fn native_kernel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// bf16 bits to float32 (exact).
+#[inline]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// float32 to bf16 bits, rounding to nearest even; NaN stays a (quiet) NaN.
+#[inline]
+pub fn f32_to_bf16(value: f32) -> u16 {
+    let bits = value.to_bits();
+    if value.is_nan() {
+        return ((bits >> 16) as u16) | 0x0040;
+    }
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(rounding) >> 16) as u16
+}
+
+/// `out[m * n + j] = bf16(sum_k x[m * k + i] * w[j * k + i])` for `rows` rows of `x` (`rows * k` bf16
+/// values as bits), `n` rows of `w` (`n * k`) and `out` of `rows * n`.
+pub fn skinny_matmul_bf16(
+    x: &[u16],
+    w: &[u16],
+    out: &mut [u16],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<(), GemmError> {
+    check_lengths(x.len(), w.len(), out.len(), rows, k, n)?;
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    if rows == 1 {
+        compute_columns(x, w, out, rows, k);
+        return Ok(());
+    }
+    let mut by_column = vec![0u16; n * rows];
+    compute_columns(x, w, &mut by_column, rows, k);
+    for (j, column) in by_column.chunks_exact(rows).enumerate() {
+        for (m, value) in column.iter().enumerate() {
+            out[m * n + j] = *value;
+        }
+    }
+    Ok(())
+}
+
+/// `by_column` [n, rows], in blocks of weight rows shared out as in the float32 product.
+fn compute_columns(x: &[u16], w: &[u16], by_column: &mut [u16], rows: usize, k: usize) {
+    let native = native_kernel();
+    let blocks: Vec<Mutex<&mut [u16]>> = by_column
+        .chunks_mut(COLUMNS_PER_TASK * rows)
+        .map(Mutex::new)
+        .collect();
+    team::for_each_index(blocks.len(), &|task| {
+        let mut block = blocks[task].lock().unwrap_or_else(PoisonError::into_inner);
+        let first = task * COLUMNS_PER_TASK;
+        let columns = block.len() / rows;
+        let weights = &w[first * k..(first + columns) * k];
+        #[cfg(target_arch = "x86_64")]
+        if native {
+            // SAFETY: `avx512::columns_block` needs AVX-512F and AVX512-BF16, which `native_kernel`
+            // detected on this CPU.
+            unsafe { avx512::columns_block(x, weights, &mut block, rows, k) };
+            return;
+        }
+        let _ = native;
+        portable_block(x, weights, &mut block, rows, k);
+    });
+}
+
+fn portable_block(x: &[u16], w: &[u16], block: &mut [u16], rows: usize, k: usize) {
+    for (weights, column) in w.chunks_exact(k).zip(block.chunks_exact_mut(rows)) {
+        for (r, out) in column.iter_mut().enumerate() {
+            let sum = x[r * k..(r + 1) * k]
+                .iter()
+                .zip(weights)
+                .fold(0.0f32, |acc, (a, b)| {
+                    bf16_to_f32(*a).mul_add(bf16_to_f32(*b), acc)
+                });
+            *out = f32_to_bf16(sum);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{bf16_to_f32, f32_to_bf16, LANES};
+    use std::arch::x86_64::{
+        __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_reduce_add_ps,
+        _mm512_setzero_ps, _mm_prefetch, _MM_HINT_T0,
+    };
+
+    /// 32 bf16 values at `ptr` as a `__m512bh`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + 32` must be readable `u16`s.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn load(ptr: *const u16) -> __m512bh {
+        // SAFETY: the caller guarantees the 64 bytes at `ptr`; unaligned loads are allowed.
+        let v: __m512i = unsafe { _mm512_loadu_si512(ptr.cast()) };
+        // SAFETY: `__m512i` and `__m512bh` are both 64-byte vectors and every bit pattern is a valid
+        // value of either; this reinterprets 32 u16 lanes as 32 bf16 lanes.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+    }
+
+    /// `block` [columns, rows]: each weight row against row tiles of up to 8 inputs, one accumulator
+    /// per (input row, weight row), so that each weight vector loaded feeds up to 8 dot products.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) fn columns_block(x: &[u16], w: &[u16], block: &mut [u16], rows: usize, k: usize) {
+        for (weights, column) in w.chunks_exact(k).zip(block.chunks_exact_mut(rows)) {
+            let mut first = 0;
+            while first < rows {
+                let (tile_x, tile_out) = (&x[first * k..], &mut column[first..]);
+                first += match rows - first {
+                    8.. => tile_dot::<8>(tile_x, weights, tile_out, k),
+                    4..=7 => tile_dot::<4>(tile_x, weights, tile_out, k),
+                    2..=3 => tile_dot::<2>(tile_x, weights, tile_out, k),
+                    _ => tile_dot::<1>(tile_x, weights, tile_out, k),
+                };
+            }
+        }
+    }
+
+    /// How far ahead (in bf16 values) a tile of 4 or more rows prefetches its weight stream: with that
+    /// much arithmetic per byte the hardware prefetcher alone fell behind (18 against 24 ms for 8 rows of
+    /// SmolLM2-sized layers streamed from memory on one core; one row gained nothing).
+    const PREFETCH_AHEAD: usize = 1024;
+
+    /// Dot products of the first R rows of `x` (rows of `k`) with `weights`; returns R. Each output's sum
+    /// is the same sequence of operations whatever R (one accumulator per output).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    fn tile_dot<const R: usize>(x: &[u16], weights: &[u16], out: &mut [u16], k: usize) -> usize {
+        // Every load below reads inside these ranges, checked here once.
+        assert!(x.len() >= R * k && weights.len() == k && out.len() >= R);
+        let (xp, wp) = (x.as_ptr(), weights.as_ptr());
+        let mut acc: [__m512; R] = [_mm512_setzero_ps(); R];
+        let body = k - k % LANES;
+        for start in (0..body).step_by(LANES) {
+            if R >= 4 {
+                // A prefetch is a hint: it never faults, even past the end of the weights.
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(start + PREFETCH_AHEAD).cast());
+            }
+            // SAFETY: start + 32 <= body <= k == weights.len().
+            let wv = unsafe { load(wp.add(start)) };
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                // SAFETY: r * k + start + 32 <= (r + 1) * k <= R * k <= x.len() (asserted above).
+                let xv = unsafe { load(xp.add(r * k + start)) };
+                *acc_r = _mm512_dpbf16_ps(*acc_r, xv, wv);
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            let mut sum = _mm512_reduce_add_ps(*acc_r);
+            for i in body..k {
+                sum = bf16_to_f32(weights[i]).mul_add(bf16_to_f32(x[r * k + i]), sum);
+            }
+            out[r] = f32_to_bf16(sum);
+        }
+        R
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u32) -> Vec<u16> {
+        // Small deterministic pseudo-random values in [-1, 1), as bf16 bits.
+        let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                f32_to_bf16((state % 2001) as f32 / 1000.0 - 1.0)
+            })
+            .collect()
+    }
+
+    fn reference(x: &[u16], w: &[u16], rows: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0.0f64; rows * n];
+        for m in 0..rows {
+            for j in 0..n {
+                out[m * n + j] = (0..k)
+                    .map(|i| bf16_to_f32(x[m * k + i]) as f64 * bf16_to_f32(w[j * k + i]) as f64)
+                    .sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn rounding_to_bf16_is_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        assert_eq!(f32_to_bf16(-2.0), 0xc000);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0).
+        assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0), 0x3f80);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties go up to the even one.
+        assert_eq!(f32_to_bf16(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(f32_to_bf16(1.0 + 1.5 / 256.0), 0x3f81);
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+        assert_eq!(f32_to_bf16(f32::INFINITY), 0x7f80);
+        for bits in [0x0000u16, 0x3f80, 0xbf80, 0x4049, 0x0001, 0x7f7f] {
+            assert_eq!(f32_to_bf16(bf16_to_f32(bits)), bits);
+        }
+    }
+
+    #[test]
+    fn matches_a_float64_reference_for_every_tile_split() {
+        for (rows, k, n) in [
+            (1, 32, 3),
+            (3, 45, 70),
+            (8, 576, 130),
+            (13, 100, 65),
+            (16, 1536, 20),
+            (64, 64, 5),
+        ] {
+            let (x, w) = (values(rows * k, 1), values(n * k, 2));
+            let mut out = vec![0u16; rows * n];
+            skinny_matmul_bf16(&x, &w, &mut out, rows, k, n).unwrap();
+            for (got, want) in out.iter().zip(reference(&x, &w, rows, k, n)) {
+                let got = bf16_to_f32(*got) as f64;
+                // One bf16 rounding of the result (2^-8 relative) plus float32 summation error.
+                let tolerance = want.abs() / 256.0 + 1e-4 * (k as f64).sqrt();
+                assert!((got - want).abs() <= tolerance, "{got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_gets_the_same_bits_whatever_the_other_rows() {
+        let (k, n) = (96, 200);
+        let x = values(16 * k, 3);
+        let w = values(n * k, 4);
+        let mut all = vec![0u16; 16 * n];
+        skinny_matmul_bf16(&x, &w, &mut all, 16, k, n).unwrap();
+        for m in 0..16 {
+            let mut alone = vec![0u16; n];
+            skinny_matmul_bf16(&x[m * k..(m + 1) * k], &w, &mut alone, 1, k, n).unwrap();
+            assert_eq!(alone, all[m * n..(m + 1) * n].to_vec(), "row {m}");
+        }
+    }
+
+    #[test]
+    fn wrong_lengths_and_too_many_rows_are_errors() {
+        let mut out = vec![0u16; 4];
+        assert!(skinny_matmul_bf16(&[0; 7], &[0; 8], &mut out, 2, 4, 2).is_err());
+        assert!(skinny_matmul_bf16(&[0; 8], &[0; 8], &mut out[..3], 2, 4, 2).is_err());
+        let rows = MAX_ROWS + 1;
+        let mut big = vec![0u16; rows];
+        let err = skinny_matmul_bf16(&vec![0; rows], &[0x3f80], &mut big, rows, 1, 1).unwrap_err();
+        assert!(err.to_string().contains("at most"));
+    }
+
+    #[test]
+    fn the_portable_path_matches_the_reference_too() {
+        let (rows, k, n) = (5, 200, 40);
+        let (x, w) = (values(rows * k, 5), values(n * k, 6));
+        let mut block = vec![0u16; rows * n];
+        portable_block(&x, &w, &mut block, rows, k);
+        let want = reference(&x, &w, rows, k, n);
+        for j in 0..n {
+            for m in 0..rows {
+                let (got, want) = (bf16_to_f32(block[j * rows + m]) as f64, want[m * n + j]);
+                assert!(
+                    (got - want).abs() <= want.abs() / 256.0 + 1e-3,
+                    "{got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn empty_products_are_fine() {
+        let mut out: Vec<u16> = vec![];
+        skinny_matmul_bf16(&[], &[0; 4], &mut out, 0, 4, 1).unwrap();
+        skinny_matmul_bf16(&[0; 4], &[], &mut out, 1, 4, 0).unwrap();
+    }
+}
