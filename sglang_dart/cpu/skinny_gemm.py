@@ -12,7 +12,8 @@ Three forms compute the same product:
   on every SmolLM2 layer and the lm_head (benchmarks/results/throughput.md, run 15). For bf16 weights
   `skinny_matmul_bf16` does the same with AVX512-BF16 dot products (float32 sums, rounded once): on the
   AVX512-BF16 EPYC all of SmolLM2's linears took 9-11 ms for one row against torch's 23-24, 21 against 27
-  for 8 rows, and level at 16 (run 43). It is offered where the CPU has AVX512-BF16 and no AMX (`rust_dtypes`).
+  for 8 rows, and level at 16 (run 43). `auto` offers it where the CPU has AVX512-BF16 and no AMX
+  (`bf16_kernel_pays`).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
 weight shape, dtype and row-count bucket (1, 2-3, 4-7, 8-15, ...), on its own serving calls: the first
 calls of a bucket rotate through the forms and are timed, then the fastest is kept.
@@ -39,11 +40,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import numpy as np
 
 from sglang_dart._core import (
     SKINNY_BF16_NATIVE,
@@ -146,12 +146,18 @@ def _cpu_has_amx() -> bool:
 
 
 @functools.cache
+def bf16_kernel_pays() -> bool:
+    """Whether `auto` offers the Rust bf16 product: where the CPU has AVX512-BF16 and no AMX. Without
+    AVX512-BF16 its portable path is only correct, not fast; with AMX torch's bf16 products use the tiles,
+    which this kernel has not been measured against."""
+    return bool(SKINNY_BF16_NATIVE) and not _cpu_has_amx()
+
+
 def rust_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes the Rust product takes here: float32 always; bf16 where the CPU has AVX512-BF16
-    and no AMX, or where the form is forced. Without AVX512-BF16 its portable path is only correct, not
-    fast; with AMX torch's bf16 products use the tiles, which this kernel has not been measured against."""
-    native_bf16 = (SKINNY_BF16_NATIVE and not _cpu_has_amx()) or mode() == "rust"
-    return (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,)
+    """The weight dtypes the Rust product takes here: float32 always, bf16 where it pays or is forced."""
+    if bf16_kernel_pays() or mode() == "rust":
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
 
 
 PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {

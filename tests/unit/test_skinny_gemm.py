@@ -96,9 +96,56 @@ def test_rust_form_leaves_training_and_other_dtypes_to_torch(monkeypatch):
     x = torch.randn(4, 32, requires_grad=True)
     layer(x).sum().backward()  # the Rust product has no backward: torch must have computed this
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, 32).detach())
-    half = torch.randn(4, 32, dtype=torch.bfloat16)
-    weight = torch.randn(16, 32, dtype=torch.bfloat16)
+    half = torch.randn(4, 32, dtype=torch.float16)
+    weight = torch.randn(16, 32, dtype=torch.float16)
     assert torch.equal(skinny_gemm.linear(half, weight), F.linear(half, weight))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 64])
+@pytest.mark.parametrize("k", [576, 100])  # 100: a tail past the last whole 32-value vector
+def test_bf16_rust_form_matches_f_linear_within_one_rounding(monkeypatch, rows, k):
+    monkeypatch.setenv(skinny_gemm.ENV, "rust")
+    generator = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = torch.randn(300, k, generator=generator).bfloat16()
+    bias = torch.randn(300, generator=generator).bfloat16()
+    out = skinny_gemm.linear(x, weight, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    # float32 sums rounded once to bf16 (relative 2^-8), then the bias added in bf16 (another rounding).
+    torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=1e-2)
+    assert torch.equal(out, skinny_gemm._rust(x, weight) + bias)  # the Rust product, not torch's
+
+
+def test_bf16_rust_form_gives_a_row_the_same_bits_whatever_the_other_rows(monkeypatch):
+    monkeypatch.setenv(skinny_gemm.ENV, "rust")
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 576, generator=generator).bfloat16()
+    weight = torch.randn(700, 576, generator=generator).bfloat16()
+    together = skinny_gemm.linear(x, weight)
+    for row in range(16):
+        assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, pays):
+    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: pays)
+    weight = torch.randn(64, 32).bfloat16()
+    skinny_gemm.linear(torch.randn(1, 32).bfloat16(), weight)
+    skinny_gemm.linear(torch.randn(8, 32).bfloat16(), weight)
+    one_row = skinny_gemm._choices[(64, 32, torch.bfloat16, 1)].forms
+    eight_rows = skinny_gemm._choices[(64, 32, torch.bfloat16, 4)].forms
+    assert ("rust" in one_row, "rust" in eight_rows) == (pays, pays)
+    assert skinny_gemm.rust_dtypes() == ((torch.float32, torch.bfloat16) if pays else (torch.float32,))
+
+
+def test_bf16_kernel_is_offered_by_auto_where_the_cpu_has_avx512_bf16_and_no_amx():
+    from sglang_dart._core import SKINNY_BF16_NATIVE
+
+    flags = open("/proc/cpuinfo").read().split()
+    assert SKINNY_BF16_NATIVE == ("avx512_bf16" in flags and "avx512f" in flags)
+    assert skinny_gemm.bf16_kernel_pays() == (SKINNY_BF16_NATIVE and "amx_tile" not in flags)
 
 
 def test_rust_product_rejects_mismatched_arrays():
@@ -111,6 +158,21 @@ def test_rust_product_rejects_mismatched_arrays():
         skinny_matmul(torch.randn(8, 2).numpy().T, w, torch.empty(2, 3).numpy())
     with pytest.raises(ValueError, match="at most"):
         skinny_matmul(torch.randn(65, 8).numpy(), w, torch.empty(65, 3).numpy())
+
+
+def test_bf16_rust_product_rejects_mismatched_arrays():
+    import numpy as np
+    from sglang_dart._core import skinny_matmul_bf16
+
+    x, w = np.zeros((2, 8), np.uint16), np.zeros((3, 8), np.uint16)
+    with pytest.raises(ValueError, match="do not fit"):
+        skinny_matmul_bf16(x, w, np.zeros((2, 4), np.uint16))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        skinny_matmul_bf16(np.zeros((8, 2), np.uint16).T, w, np.zeros((2, 3), np.uint16))
+    with pytest.raises(ValueError, match="at most"):
+        skinny_matmul_bf16(np.zeros((65, 8), np.uint16), w, np.zeros((65, 3), np.uint16))
+    with pytest.raises(TypeError):
+        skinny_matmul_bf16(x.astype(np.float32), w, np.zeros((2, 3), np.uint16))
 
 
 def test_rust_product_is_right_when_python_threads_call_it_at_once():

@@ -69,7 +69,9 @@ def test_bad_setting_names_the_variable(monkeypatch, value):
     [
         (torch.float32, "cpu", "auto", True),
         (torch.float32, "cpu", "rust", True),
-        (torch.bfloat16, "cpu", "auto", False),  # bf16 linears run on torch's pool: keep its threads
+        # bf16: the Rust product takes them only where its kernel pays (AVX512-BF16, no AMX) or is forced
+        (torch.bfloat16, "cpu", "auto", skinny_gemm.bf16_kernel_pays()),
+        (torch.bfloat16, "cpu", "rust", True),
         (torch.float32, "cpu", "torch", False),
         (torch.float32, "cuda", "auto", False),
     ],
