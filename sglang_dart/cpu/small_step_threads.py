@@ -7,13 +7,13 @@ measured: 120 rounds of a layer's in-between ops (RMSNorm, K/V concat, small att
 torch on 2 threads and 20 ms on one. The linear layers, where a small forward's real work is, keep both
 cores: their few-row products run on the Rust team (`skinny_gemm`), which does not use torch's pool.
 
-So forwards of at most `SGLANG_DART_SMALL_STEP_TOKENS` tokens (default 64, the Rust product's reach; 0
-turns this off) set torch to one thread, and larger ones (prefill, big batches) restore the process's
-configured count, read at the first forward. Only models whose linears the Rust product can take
-(float32, and bf16 where `skinny_gemm.rust_dtypes` offers it; `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust)
-are switched: other linears run on torch's pool, which needs every thread. The
-setting stays in force after the forward, so the sampler and the DART worker's draft forward and top-k
-of a small step run single-threaded too.
+So forwards of at most `SGLANG_DART_SMALL_STEP_TOKENS` tokens (default 64, the Rust product's reach,
+for float32 weights; 16 for bf16, where torch's two threads win from about 20 rows; 0 turns this off)
+set torch to one thread, and larger ones (prefill, big batches) restore the process's configured count,
+read at the first forward. Only models whose linears the Rust product can take (float32, and bf16 where
+`skinny_gemm.rust_dtypes` offers it; `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: other
+linears run on torch's pool, which needs every thread. The setting stays in force after the forward, so
+the sampler and the DART worker's draft forward and top-k of a small step run single-threaded too.
 Where this is on, the Rust team's helpers also poll for 1 ms after each product before sleeping
 (`SGLANG_DART_GEMM_SPIN_US`, unless set): torch's workers no longer need that core during a small
 forward, and a polling helper joins the next product at once instead of after a VM wake-up.
@@ -35,13 +35,20 @@ logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_DART_SMALL_STEP_TOKENS"
 DEFAULT_TOKENS = 64
+# bf16: the Rust product beat torch's two threads up to about 20 rows on the AVX512-BF16 EPYC and lost
+# beyond (32 rows: 56 against 38 ms for SmolLM2's linears), and a forward on one thread leaves torch no
+# second thread for the rows it keeps. Batch 4's trees of 8 (32 rows) ran 4% slower with 64 (run 43).
+BF16_DEFAULT_TOKENS = 16
 # How long the Rust team's helpers poll after a product where this is on, unless the user set it.
 TEAM_SPIN_US = 1000
 
 
 @functools.cache
-def small_step_tokens() -> int:
-    raw = os.environ.get(ENV, str(DEFAULT_TOKENS)).strip()
+def small_step_tokens(dtype: torch.dtype = torch.float32) -> int:
+    """The largest forward (in tokens) that runs torch on one thread: the setting, else the default for
+    the weights' dtype."""
+    default = BF16_DEFAULT_TOKENS if dtype == torch.bfloat16 else DEFAULT_TOKENS
+    raw = os.environ.get(ENV, str(default)).strip()
     try:
         tokens = int(raw)
     except ValueError:
@@ -60,20 +67,21 @@ def configured_threads() -> int:
     # Polling no longer takes a core from torch's workers, which sleep through small forwards.
     os.environ.setdefault(skinny_gemm.TEAM_SPIN_ENV, str(TEAM_SPIN_US))
     logger.info(
-        "sglang_dart: forwards of at most %d tokens run torch ops on 1 thread, larger ones on %d (%s)",
-        small_step_tokens(), threads, ENV,
+        "sglang_dart: forwards of at most %d tokens (float32; bf16: %d) run torch ops on 1 thread, "
+        "larger ones on %d (%s)",
+        small_step_tokens(), small_step_tokens(torch.bfloat16), threads, ENV,
     )  # fmt: skip
     return threads
 
 
-def threads_for(num_tokens: int) -> int:
-    limit = small_step_tokens()
+def threads_for(num_tokens: int, dtype: torch.dtype = torch.float32) -> int:
+    limit = small_step_tokens(dtype)
     return 1 if 0 < num_tokens <= limit else configured_threads()
 
 
-def apply_for(num_tokens: int) -> None:
+def apply_for(num_tokens: int, dtype: torch.dtype = torch.float32) -> None:
     configured_threads()
-    wanted = threads_for(num_tokens)
+    wanted = threads_for(num_tokens, dtype)
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
 
@@ -114,7 +122,7 @@ def install() -> None:
         rust_linears = rust_takes_the_linears(self)
         log_openmp_spinning(rust_linears)
         if rust_linears and forward_batch.input_ids is not None:
-            apply_for(_forward_tokens(forward_batch))
+            apply_for(_forward_tokens(forward_batch), self.dtype)
         return sglang_forward(self, forward_batch, *args, **kwargs)
 
     forward._sglang_dart = True
