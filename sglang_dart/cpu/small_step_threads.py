@@ -8,7 +8,7 @@ torch on 2 threads and 20 ms on one. The linear layers, where a small forward's 
 cores: their few-row products run on the Rust team (`skinny_gemm`), which does not use torch's pool.
 
 So forwards of at most `SGLANG_DART_SMALL_STEP_TOKENS` tokens (default 64, the Rust product's reach,
-for float32 weights; 16 for bf16, where torch's two threads win from about 20 rows; 0 turns this off)
+for float32 weights; 8 for bf16, where torch's two threads win from about 20 rows; 0 turns this off)
 set torch to one thread, and larger ones (prefill, big batches) restore the process's configured count,
 read at the first forward. Only models whose linears the Rust product can take (float32, and bf16 where
 `skinny_gemm.rust_dtypes` offers it; `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: other
@@ -37,8 +37,9 @@ ENV = "SGLANG_DART_SMALL_STEP_TOKENS"
 DEFAULT_TOKENS = 64
 # bf16: the Rust product beat torch's two threads up to about 20 rows on the AVX512-BF16 EPYC and lost
 # beyond (32 rows: 56 against 38 ms for SmolLM2's linears), and a forward on one thread leaves torch no
-# second thread for the rows it keeps. Batch 4's trees of 8 (32 rows) ran 4% slower with 64 (run 43).
-BF16_DEFAULT_TOKENS = 16
+# second thread for the rows it keeps: batch 4's trees of 8 (32 rows) ran 4% slower with 64 (run 43),
+# plain decoding at batch 16 15% slower with 16 (run 44: its attention over 16 contexts needs both cores).
+BF16_DEFAULT_TOKENS = 8
 # How long the Rust team's helpers poll after a product where this is on, unless the user set it.
 TEAM_SPIN_US = 1000
 

@@ -36,8 +36,8 @@ def test_small_forwards_run_torch_on_one_thread_and_large_ones_get_the_configure
     assert _run(code) == "[1, 1, 1, 2, 2, 2, 1]"
 
 
-def test_bf16_forwards_keep_torchs_threads_from_17_tokens_unless_set():
-    code = "print([s.threads_for(n, torch.bfloat16) for n in (1, 16, 17, 64)])"
+def test_bf16_forwards_keep_torchs_threads_from_9_tokens_unless_set():
+    code = "print([s.threads_for(n, torch.bfloat16) for n in (1, 8, 9, 64)])"
     assert _run(code) == "[1, 1, 2, 2]"
     assert _run(code, **{small_step_threads.ENV: "64"}) == "[1, 1, 1, 1]"
 
