@@ -15,8 +15,8 @@ Three forms compute the same product:
   for 8 rows, and level at 16 (run 43). `auto` offers it where the CPU has AVX512-BF16 and no AMX
   (`bf16_kernel_pays`).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
-weight shape, dtype and row-count bucket (1, 2-3, 4-7, 8-15, ...), on its own serving calls: the first
-calls of a bucket rotate through the forms and are timed, then the fastest is kept.
+weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread count, on its own serving
+calls: the first calls of a bucket rotate through the forms and are timed, then the fastest is kept.
 
 `SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `rust` (force a
 form wherever it applies). The Rust team has as many threads (caller included) as torch uses in the
@@ -160,6 +160,13 @@ def rust_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32,)
 
 
+def _bf16_rust_now() -> bool:
+    """bf16 products go to Rust only while torch runs on one thread (`small_step_threads`): beside torch's
+    pool, whose OpenMP workers spin for bf16, the Rust helpers and torch's workers took the second core
+    from each other, and plain decoding at batch 16 ran 9% slower with the two mixed (run 45)."""
+    return mode() == "rust" or torch.get_num_threads() == 1
+
+
 PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "torch": _torch,
     "transposed": _transposed,
@@ -171,6 +178,7 @@ def _forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, .
     rust_fits = (
         weight.dtype == x.dtype
         and weight.dtype in rust_dtypes()
+        and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
         and rows <= SKINNY_MATMUL_MAX_ROWS
         and weight.is_contiguous()
         # The Rust product has no backward: training (the drafter's) stays with torch.
@@ -223,7 +231,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, weight, bias)
         out = PRODUCTS[current](flat, weight)
     else:
-        key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows))
+        # torch's thread count is part of the key: each form's speed depends on it (small_step_threads).
+        key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows), torch.get_num_threads())
         choice = _choices.get(key) or _choices.setdefault(key, _BucketChoice(forms))
         if choice.chosen is None and forms == choice.forms:
             out = _timed_product(choice, flat, weight)

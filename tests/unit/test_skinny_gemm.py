@@ -22,6 +22,19 @@ def fresh_choice(monkeypatch):
     monkeypatch.setattr(skinny_gemm, "_mode", None)
 
 
+@pytest.fixture
+def one_torch_thread():
+    # As in a small forward (small_step_threads); restored after the test.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _key(n: int, k: int, dtype: torch.dtype, bucket: int) -> tuple:
+    return (n, k, dtype, bucket, torch.get_num_threads())
+
+
 @pytest.mark.parametrize("form", ["transposed", "torch", "rust", "auto"])
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 96, 97])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -50,7 +63,7 @@ def test_auto_times_each_bucket_then_keeps_the_fastest_form(monkeypatch, caplog)
     wide, square = torch.randn(3072, 576), torch.randn(576, 576)
     x = torch.randn(8, 576)
     forms = ("torch", "transposed", "rust")
-    key = (3072, 576, torch.float32, 4)  # rows 8-15
+    key = _key(3072, 576, torch.float32, 4)  # rows 8-15
     with caplog.at_level(logging.INFO, logger=skinny_gemm.__name__):
         for _ in range(len(forms) * skinny_gemm.SAMPLES_PER_FORM - 1):
             skinny_gemm.linear(x, wide)
@@ -62,8 +75,8 @@ def test_auto_times_each_bucket_then_keeps_the_fastest_form(monkeypatch, caplog)
     assert choice.forms == forms
     assert [len(choice.seconds[f]) for f in forms] == [skinny_gemm.SAMPLES_PER_FORM] * 3
     assert choice.chosen in forms
-    assert skinny_gemm._choices[(576, 576, torch.float32, 4)].chosen is None
-    assert skinny_gemm._choices[(3072, 576, torch.float32, 2)].chosen is None
+    assert skinny_gemm._choices[_key(576, 576, torch.float32, 4)].chosen is None
+    assert skinny_gemm._choices[_key(3072, 576, torch.float32, 2)].chosen is None
     assert caplog.text.count("sglang_dart: CPU linear 576->3072 (float32, 8-15 rows) uses") == 1
     # Decided: later calls are not timed.
     skinny_gemm.linear(x, wide)
@@ -74,7 +87,7 @@ def test_one_row_chooses_between_torch_and_rust_and_many_rows_stay_with_torch(mo
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
     weight = torch.randn(64, 32)
     skinny_gemm.linear(torch.randn(1, 32), weight)
-    assert skinny_gemm._choices[(64, 32, torch.float32, 1)].forms == ("torch", "rust")
+    assert skinny_gemm._choices[_key(64, 32, torch.float32, 1)].forms == ("torch", "rust")
     skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 32), weight)
     assert len(skinny_gemm._choices) == 1
 
@@ -128,16 +141,39 @@ def test_bf16_rust_form_gives_a_row_the_same_bits_whatever_the_other_rows(monkey
 
 
 @pytest.mark.parametrize("pays", [True, False])
-def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, pays):
+def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, one_torch_thread, pays):
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
     monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: pays)
     weight = torch.randn(64, 32).bfloat16()
     skinny_gemm.linear(torch.randn(1, 32).bfloat16(), weight)
     skinny_gemm.linear(torch.randn(8, 32).bfloat16(), weight)
-    one_row = skinny_gemm._choices[(64, 32, torch.bfloat16, 1)].forms
-    eight_rows = skinny_gemm._choices[(64, 32, torch.bfloat16, 4)].forms
+    one_row = skinny_gemm._choices[_key(64, 32, torch.bfloat16, 1)].forms
+    eight_rows = skinny_gemm._choices[_key(64, 32, torch.bfloat16, 4)].forms
     assert ("rust" in one_row, "rust" in eight_rows) == (pays, pays)
     assert skinny_gemm.rust_dtypes() == ((torch.float32, torch.bfloat16) if pays else (torch.float32,))
+
+
+def test_bf16_rust_form_is_offered_only_while_torch_runs_on_one_thread(monkeypatch):
+    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
+    weight, x = torch.randn(64, 32).bfloat16(), torch.randn(8, 32).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        for count in (2, 1):
+            torch.set_num_threads(count)
+            skinny_gemm.linear(x, weight)
+        beside_the_pool = skinny_gemm._choices[(64, 32, torch.bfloat16, 4, 2)].forms
+        alone = skinny_gemm._choices[(64, 32, torch.bfloat16, 4, 1)].forms
+    finally:
+        torch.set_num_threads(threads)
+    assert "rust" not in beside_the_pool and "rust" in alone
+    # float32 keeps the Rust form beside torch's pool (its launcher stops OpenMP spinning).
+    torch.set_num_threads(2)
+    try:
+        skinny_gemm.linear(x.float(), weight.float())
+        assert "rust" in skinny_gemm._choices[(64, 32, torch.float32, 4, 2)].forms
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bf16_kernel_is_offered_by_auto_where_the_cpu_has_avx512_bf16_and_no_amx():
