@@ -11,9 +11,9 @@ Three forms compute the same product:
   helper threads (`rust/dart-core/src/team.rs`). In the server on the EPYC it beat the BLAS at 1-31 rows
   on every SmolLM2 layer and the lm_head (benchmarks/results/throughput.md, run 15). For bf16 weights
   `skinny_matmul_bf16` does the same with AVX512-BF16 dot products (float32 sums, rounded once): on the
-  AVX512-BF16 EPYC all of SmolLM2's linears took 9-11 ms for one row against torch's 23-24, 21 against 27
-  for 8 rows, and level at 16 (run 43). `auto` offers it where the CPU has AVX512-BF16 and no AMX
-  (`bf16_kernel_pays`).
+  AVX512-BF16 EPYC all of SmolLM2's linears took 11 ms for one row against torch's 19-24, 15 against
+  23-27 for 8 rows, level at about 20 rows and slower beyond (runs 43-46). `auto` offers it where the
+  CPU has AVX512-BF16 and no AMX (`bf16_kernel_pays`).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
 weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread count, on its own serving
 calls: the first calls of a bucket rotate through the forms and are timed, then the fastest is kept.
