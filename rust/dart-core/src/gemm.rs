@@ -49,6 +49,10 @@ pub fn skinny_matmul(
     if rows == 0 || n == 0 {
         return Ok(());
     }
+    if k == 0 {
+        out.fill(0.0); // empty sums
+        return Ok(());
+    }
     if rows == 1 {
         // One row: the [n, rows] column order is already out's order.
         compute_columns(x, w, out, rows, k);
@@ -298,5 +302,8 @@ mod tests {
         let mut out: Vec<f32> = vec![];
         skinny_matmul(&[], &[0.0; 4], &mut out, 0, 4, 1).unwrap();
         skinny_matmul(&[0.0; 4], &[], &mut out, 1, 4, 0).unwrap();
+        let mut zeros = vec![1.0f32; 6];
+        skinny_matmul(&[], &[], &mut zeros, 2, 0, 3).unwrap();
+        assert_eq!(zeros, vec![0.0f32; 6]);
     }
 }

@@ -1,7 +1,7 @@
 //! `out = x @ w.T` in bfloat16 for a few rows of `x` (1..=64): the linear layers of a bf16 target's
 //! decode at small batches and of its tree verification.
 //!
-//! On the 2-core EPYC with AVX512-BF16 torch's bf16 linears ran 4-7x slower than the memory holding the
+//! On the 2-core EPYC with AVX512-BF16 torch's bf16 linears ran 4-6x slower than the memory holding the
 //! weights can be read (all of SmolLM2-135M's linears: 23 ms for one row, 28 ms for 8, where summing the
 //! same 269 MB took 5 ms; benchmarks/results/throughput.md, run 43). Here each weight row is read once
 //! and multiplied into every input row while it is in L1, 32 bf16 pairs per `vdpbf16ps`, with float32
@@ -67,6 +67,10 @@ pub fn skinny_matmul_bf16(
 ) -> Result<(), GemmError> {
     check_lengths(x.len(), w.len(), out.len(), rows, k, n)?;
     if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        out.fill(0); // empty sums
         return Ok(());
     }
     if rows == 1 {
@@ -313,5 +317,8 @@ mod tests {
         let mut out: Vec<u16> = vec![];
         skinny_matmul_bf16(&[], &[0; 4], &mut out, 0, 4, 1).unwrap();
         skinny_matmul_bf16(&[0; 4], &[], &mut out, 1, 4, 0).unwrap();
+        let mut zeros = vec![0x3f80u16; 6];
+        skinny_matmul_bf16(&[], &[], &mut zeros, 2, 0, 3).unwrap();
+        assert_eq!(zeros, vec![0u16; 6]);
     }
 }
