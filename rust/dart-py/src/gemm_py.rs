@@ -1,5 +1,6 @@
-//! Python bindings of `dart_core::gemm::skinny_matmul` and `gemm_bf16::skinny_matmul_bf16`: `skinny_matmul(x, w, out)`
-//! on float32 numpy arrays, `skinny_matmul_bf16` on bf16 bits (torch tensors pass through `.numpy()` without a copy). Runs with the GIL released.
+//! Python bindings of `dart_core::gemm::skinny_matmul` and `gemm_bf16::skinny_matmul_bf16`:
+//! `skinny_matmul(x, w, out)` on float32 numpy arrays, `skinny_matmul_bf16` on bf16 bits (torch tensors
+//! pass through `.numpy()` without a copy). Both run with the GIL released.
 use dart_core::{gemm, gemm_bf16};
 use numpy::{PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
