@@ -45,22 +45,40 @@ pub fn skinny_matmul(
     k: usize,
     n: usize,
 ) -> Result<(), GemmError> {
-    check_shapes(x, w, out, rows, k, n)?;
+    blocked_product(x, w, out, rows, k, n, &|weights, block| {
+        columns_block(x, weights, block, rows, k)
+    })
+}
+
+/// The frame both few-row products share: checks the lengths, then computes the output in [n, rows]
+/// column order, in blocks of weight rows shared out among the calling thread and the team's helpers
+/// (`team` says why not rayon), and transposes it into `out`. `block(weights, columns)` computes one
+/// block: `columns` [weight rows of `weights`, rows]. An empty inner dimension gives zeros (empty sums).
+pub(crate) fn blocked_product<T: Copy + Default + Send + Sync>(
+    x: &[T],
+    w: &[T],
+    out: &mut [T],
+    rows: usize,
+    k: usize,
+    n: usize,
+    block: &(dyn Fn(&[T], &mut [T]) + Sync),
+) -> Result<(), GemmError> {
+    check_lengths(x.len(), w.len(), out.len(), rows, k, n)?;
     if rows == 0 || n == 0 {
         return Ok(());
     }
     if k == 0 {
-        out.fill(0.0); // empty sums
+        out.fill(T::default());
         return Ok(());
     }
     if rows == 1 {
         // One row: the [n, rows] column order is already out's order.
-        compute_columns(x, w, out, rows, k);
+        compute_columns(w, out, rows, k, block);
         return Ok(());
     }
-    // Columns are computed in [n, rows] order (each task owns a contiguous block), then transposed.
-    let mut by_column = vec![0.0f32; n * rows];
-    compute_columns(x, w, &mut by_column, rows, k);
+    // Each task owns a contiguous block of the [n, rows] order, which is then transposed.
+    let mut by_column = vec![T::default(); n * rows];
+    compute_columns(w, &mut by_column, rows, k, block);
     for (j, column) in by_column.chunks_exact(rows).enumerate() {
         for (m, value) in column.iter().enumerate() {
             out[m * n + j] = *value;
@@ -69,35 +87,28 @@ pub fn skinny_matmul(
     Ok(())
 }
 
-/// `by_column` [n, rows]: the weight rows split in blocks shared out among the calling thread and the
-/// team's helpers (`team` says why not rayon).
-fn compute_columns(x: &[f32], w: &[f32], by_column: &mut [f32], rows: usize, k: usize) {
+fn compute_columns<T: Send + Sync>(
+    w: &[T],
+    by_column: &mut [T],
+    rows: usize,
+    k: usize,
+    block: &(dyn Fn(&[T], &mut [T]) + Sync),
+) {
     // Each block is claimed by exactly one thread; the (uncontended) locks only carry the `&mut`s.
-    let blocks: Vec<Mutex<&mut [f32]>> = by_column
+    let blocks: Vec<Mutex<&mut [T]>> = by_column
         .chunks_mut(COLUMNS_PER_TASK * rows)
         .map(Mutex::new)
         .collect();
     team::for_each_index(blocks.len(), &|task| {
-        let mut block = blocks[task].lock().unwrap_or_else(PoisonError::into_inner);
+        let mut columns = blocks[task].lock().unwrap_or_else(PoisonError::into_inner);
         let first = task * COLUMNS_PER_TASK;
-        let columns = block.len() / rows;
-        columns_block(x, &w[first * k..(first + columns) * k], &mut block, rows, k);
+        let count = columns.len() / rows;
+        block(&w[first * k..(first + count) * k], &mut columns);
     });
 }
 
-fn check_shapes(
-    x: &[f32],
-    w: &[f32],
-    out: &[f32],
-    rows: usize,
-    k: usize,
-    n: usize,
-) -> Result<(), GemmError> {
-    check_lengths(x.len(), w.len(), out.len(), rows, k, n)
-}
-
 /// The row limit and the three lengths a `rows x k` by `n x k` product needs (any element type).
-pub(crate) fn check_lengths(
+fn check_lengths(
     x_len: usize,
     w_len: usize,
     out_len: usize,

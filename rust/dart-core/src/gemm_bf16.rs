@@ -13,17 +13,12 @@
 //! Without AVX512-BF16 a portable path computes the same products (float32 sums in another order); it
 //! exists for correctness, not speed (`native_kernel` says which one runs).
 
-use std::sync::{Mutex, PoisonError};
-
 #[cfg(test)]
 use crate::gemm::MAX_ROWS;
-use crate::gemm::{check_lengths, GemmError};
-use crate::team;
+use crate::gemm::{blocked_product, GemmError};
 
 /// bf16 values per 512-bit vector.
 const LANES: usize = 32;
-/// Output columns (weight rows) per claimed task, as in the float32 product.
-const COLUMNS_PER_TASK: usize = 64;
 
 /// Whether this CPU runs the AVX512-BF16 kernel (else the portable path runs).
 pub fn native_kernel() -> bool {
@@ -56,7 +51,8 @@ pub fn f32_to_bf16(value: f32) -> u16 {
 }
 
 /// `out[m * n + j] = bf16(sum_k x[m * k + i] * w[j * k + i])` for `rows` rows of `x` (`rows * k` bf16
-/// values as bits), `n` rows of `w` (`n * k`) and `out` of `rows * n`.
+/// values as bits), `n` rows of `w` (`n * k`) and `out` of `rows * n`; blocks of weight rows are shared
+/// out as in the float32 product (`gemm::blocked_product`).
 pub fn skinny_matmul_bf16(
     x: &[u16],
     w: &[u16],
@@ -65,50 +61,18 @@ pub fn skinny_matmul_bf16(
     k: usize,
     n: usize,
 ) -> Result<(), GemmError> {
-    check_lengths(x.len(), w.len(), out.len(), rows, k, n)?;
-    if rows == 0 || n == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        out.fill(0); // empty sums
-        return Ok(());
-    }
-    if rows == 1 {
-        compute_columns(x, w, out, rows, k);
-        return Ok(());
-    }
-    let mut by_column = vec![0u16; n * rows];
-    compute_columns(x, w, &mut by_column, rows, k);
-    for (j, column) in by_column.chunks_exact(rows).enumerate() {
-        for (m, value) in column.iter().enumerate() {
-            out[m * n + j] = *value;
-        }
-    }
-    Ok(())
-}
-
-/// `by_column` [n, rows], in blocks of weight rows shared out as in the float32 product.
-fn compute_columns(x: &[u16], w: &[u16], by_column: &mut [u16], rows: usize, k: usize) {
     let native = native_kernel();
-    let blocks: Vec<Mutex<&mut [u16]>> = by_column
-        .chunks_mut(COLUMNS_PER_TASK * rows)
-        .map(Mutex::new)
-        .collect();
-    team::for_each_index(blocks.len(), &|task| {
-        let mut block = blocks[task].lock().unwrap_or_else(PoisonError::into_inner);
-        let first = task * COLUMNS_PER_TASK;
-        let columns = block.len() / rows;
-        let weights = &w[first * k..(first + columns) * k];
+    blocked_product(x, w, out, rows, k, n, &|weights, block| {
         #[cfg(target_arch = "x86_64")]
         if native {
             // SAFETY: `avx512::columns_block` needs AVX-512F and AVX512-BF16, which `native_kernel`
             // detected on this CPU.
-            unsafe { avx512::columns_block(x, weights, &mut block, rows, k) };
+            unsafe { avx512::columns_block(x, weights, block, rows, k) };
             return;
         }
         let _ = native;
-        portable_block(x, weights, &mut block, rows, k);
-    });
+        portable_block(x, weights, block, rows, k);
+    })
 }
 
 fn portable_block(x: &[u16], w: &[u16], block: &mut [u16], rows: usize, k: usize) {
