@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -297,7 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     def serve(name: str, tag: str) -> SglangServer:
         extra, env = configs[name]
         extra = [*extra, "--dtype", args.dtype]
-        return SglangServer(model, extra, logs / f"{name.replace(' ', '_')}-{tag}.log", env=env).start()
+        # A config's name may hold an env value (a path): keep its log a plain file in `logs`.
+        file_name = re.sub(r"[^A-Za-z0-9.=+,:-]", "_", f"{name}-{tag}.log")
+        return SglangServer(model, extra, logs / file_name, env=env).start()
 
     runs: dict[str, dict[int, list[Measurement]]] = {name: {} for name in configs}
     steady = [name for name in configs if name != "NGRAM"]
