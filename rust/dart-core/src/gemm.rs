@@ -16,6 +16,12 @@ const LANES: usize = 8;
 /// Output columns (weight rows) per claimed task: enough to amortise the claim, small enough that
 /// all threads get work for the narrowest layers (576 columns).
 const COLUMNS_PER_TASK: usize = 64;
+/// How far ahead (in bytes) both products' tiles prefetch their weight stream into L2: the hardware
+/// prefetcher alone (and the bf16 tile's own L1 prefetch, 2 KB ahead) left the 8-row tile stalling on
+/// memory between its bursts of arithmetic (all of SmolLM2's linears on 2 cores, 8 rows: bf16 16.3
+/// against 13.2 ms, float32 32.1 against 23.0; float32 32 rows 111 against 90; 1-4 rows level; 4 KB
+/// was slower, 16 KB no better; benchmarks/results/throughput.md, run 48).
+pub(crate) const PREFETCH_L2_BYTES: usize = 8192;
 /// Most input rows one call takes: beyond that the BLAS's blocking wins.
 pub const MAX_ROWS: usize = 64;
 
@@ -179,7 +185,7 @@ fn reduce_lanes(lanes: &[f32; LANES]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{reduce_lanes, LANES};
+    use super::{reduce_lanes, LANES, PREFETCH_L2_BYTES};
     use std::arch::x86_64::{
         __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
         _mm_prefetch, _MM_HINT_T1,
@@ -202,11 +208,6 @@ mod avx2 {
         }
     }
 
-    /// How far ahead (in floats, 8 KB) a tile prefetches its weight stream into L2: the hardware
-    /// prefetcher alone left the 8-row tile stalling on memory (all of SmolLM2's float32 linears on 2
-    /// cores: 8 rows 32.1 against 23.0 ms, 32 rows 111 against 90; one row level; 4096 no better).
-    const PREFETCH_L2_AHEAD: usize = 2048;
-
     /// Dot products of the first R rows of `x` (rows of `k`) with `weights`; returns R.
     #[target_feature(enable = "avx2,fma")]
     fn tile_dot<const R: usize>(x: &[f32], weights: &[f32], out: &mut [f32], k: usize) -> usize {
@@ -218,7 +219,7 @@ mod avx2 {
             _mm_prefetch::<_MM_HINT_T1>(
                 weights
                     .as_ptr()
-                    .wrapping_add(start + PREFETCH_L2_AHEAD)
+                    .wrapping_add(start + PREFETCH_L2_BYTES / size_of::<f32>())
                     .cast(),
             );
             // SAFETY: start + LANES <= body <= k == weights.len(), so the 8 floats read are in bounds.

@@ -92,6 +92,7 @@ fn portable_block(x: &[u16], w: &[u16], block: &mut [u16], rows: usize, k: usize
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{bf16_to_f32, f32_to_bf16, LANES};
+    use crate::gemm::PREFETCH_L2_BYTES;
     use std::arch::x86_64::{
         __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_reduce_add_ps,
         _mm512_setzero_ps, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
@@ -132,11 +133,6 @@ mod avx512 {
     /// that much arithmetic per byte the hardware prefetcher alone fell behind (18 against 24 ms for 8
     /// rows of SmolLM2-sized layers streamed from memory on one core; one row gained nothing).
     const PREFETCH_AHEAD: usize = 1024;
-    /// How far ahead every tile prefetches into L2: 1024 values (two weight rows of 576) is shorter than
-    /// a memory access, so without this the 8-row tile stalled on memory between its bursts of arithmetic
-    /// (all of SmolLM2's linears, 8 rows on 2 cores: 16.3 against 13.2 ms; 2048 values ahead 14.7, 8192
-    /// as 4096; 1-4 rows level).
-    const PREFETCH_L2_AHEAD: usize = 4096;
 
     /// Dot products of the first R rows of `x` (rows of `k`) with `weights`; returns R. Each output's sum
     /// is the same sequence of operations whatever R (one accumulator per output).
@@ -152,7 +148,10 @@ mod avx512 {
             if R >= 4 {
                 _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(start + PREFETCH_AHEAD).cast());
             }
-            _mm_prefetch::<_MM_HINT_T1>(wp.wrapping_add(start + PREFETCH_L2_AHEAD).cast());
+            _mm_prefetch::<_MM_HINT_T1>(
+                wp.wrapping_add(start + PREFETCH_L2_BYTES / size_of::<u16>())
+                    .cast(),
+            );
             // SAFETY: start + 32 <= body <= k == weights.len().
             let wv = unsafe { load(wp.add(start)) };
             for (r, acc_r) in acc.iter_mut().enumerate() {
