@@ -67,6 +67,12 @@ def copy_all_layer_kv_cache_cpu(
         return
     if src.min() < 0 or tgt.min() < 0:
         raise ValueError("copy_all_layer_kv_cache_cpu: negative KV location")
+    # Rows already in place: a verify's root always is, and so is every accepted path that runs along
+    # the tree's first nodes (targets are distinct, so dropping them changes no other row).
+    moved = src != tgt
+    if not moved.any():
+        return
+    src, tgt = src[moved], tgt[moved]
     rows_needed = int(max(src.max(), tgt.max())) + 1
     for base, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
         # Sound because SGLang's KV pool passes the data_ptr() and row size of buffers it owns and keeps

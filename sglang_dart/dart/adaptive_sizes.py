@@ -5,17 +5,18 @@ the same for 1 and 16 rows, a tree of 8 is nearly free; where they cost in propo
 CPU without bf16 instructions, or a GPU that is already busy), the same tree makes every step several
 times dearer than the tokens it adds. No fixed schedule is right on every machine, so this one measures.
 
-Per batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps, for each candidate size (1, powers of two, and N),
-a moving average of step seconds and of tokens emitted per step, and picks the size with the most tokens
-per second. Every candidate is tried at least `warmup` times first (their plain mean: one step slowed down
-by the VM must not decide). After that, one step in `explore_every` probes another size, in turn a
-neighbour of the best and the root alone (plain decoding, the size that must never be lost to), and that
-probe's step time replaces the size's: the costs of sizes not in use go stale, and a stale one that is too
-high would otherwise never be tried again (a probe that comes out too low makes its size the chosen one,
-which is measured every step from then on and so corrects itself within a few steps). A size replaces the
-one in use only if it measures 5% faster, so noise alone does not move the choice. So the choice follows
-a drafter that gets better or worse on the current traffic. It never changes what is generated: only how
-many tokens a step verifies. The chosen size of a bucket is logged when it changes.
+Per batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps, for each candidate size (1, powers of two, and N), a
+moving average of step seconds and of tokens emitted per step, both per request (a bucket's batches differ up
+to 2x in size), and picks the size with the most tokens per second. Every candidate is tried at least `warmup`
+times first (their plain mean: one step slowed down by the VM must not decide). After that, one step in
+`explore_every` probes another size, in turn a neighbour of the best and the root alone (plain decoding, the
+size that must never be lost to), and that probe's step time replaces the size's: the costs of sizes not in
+use go stale, and a stale one that is too high would otherwise never be tried again (a probe that comes out
+too low makes its size the chosen one, which is measured every step from then on and so corrects itself within
+a few steps). A size replaces the one in use only if it measures 5% faster, so noise alone does not move the
+choice. So the choice follows a drafter that gets better or worse on the current traffic. It never changes
+what is generated: only how many tokens a step verifies. The chosen size of a bucket is logged when it
+changes.
 
 Tokens per step are averaged over about 100 steps (weight 0.01; a probe adds one sample), step times over
 about 5 (weight 0.2): a step's time varies little, but how many drafts it accepts varies from none to the
@@ -186,7 +187,12 @@ class AdaptiveTreeSizes:
         probed = size in bucket.probing
         bucket.probing.discard(size)
         weight = PROBE_WEIGHT if probed else self.smoothing
-        stats.add(seconds, float(tokens), weight, self.tokens_smoothing)
+        # Per request: a bucket spans batch sizes up to 2x apart (a batch drains as its answers finish),
+        # and tokens per step scale with the batch while their average spans ~100 steps and the time's ~5.
+        # Raw, the two averages described different batches and a size in use looked up to 1.5x faster
+        # or slower than it was; per request they compare like with like.
+        requests = max(batch_size, 1)
+        stats.add(seconds / requests, float(tokens) / requests, weight, self.tokens_smoothing)
 
     def _log_choice(self, batch_size: int, bucket: _Bucket) -> None:
         rates = ", ".join(

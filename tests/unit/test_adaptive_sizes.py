@@ -231,6 +231,38 @@ def test_the_guard_keeps_trees_whose_acceptance_varies_step_to_step(seed):
     assert picked[1] <= GUARD_SETTLE_SAMPLES + 3000 // 50
 
 
+def _drain(chooser: AdaptiveTreeSizes, tokens_per_request: float, seed: int) -> Counter:
+    """Batches that drain from 15 requests to 8 as their answers finish, six times over (one batch-size
+    bucket throughout), trees of 4 costing 1.3x a root-only step's per-request time, +-10% noise."""
+    rng = random.Random(seed)
+    picked: Counter = Counter()
+    for _ in range(6):
+        for batch_size in range(15, 7, -1):
+            for _ in range(40):
+                size = chooser.size_for(batch_size)
+                picked[size] += 1
+                per_request = 0.004 * (1.3 if size > 1 else 1.0)
+                seconds = (0.03 + per_request * batch_size) * rng.uniform(0.9, 1.1)
+                tokens = batch_size * (tokens_per_request if size > 1 else 1.0)
+                chooser.record(batch_size, size, seconds, tokens)
+    return picked
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_guard_is_not_thrown_by_a_draining_batch(seed):
+    """Within a bucket the batch size halves as answers finish. Tokens per step scale with it, and were
+    averaged over ~100 steps against a step time averaged over ~5, so each size was judged on different
+    batches: poor trees (1.07 tokens a request, 0.82x a root-only step's rate) ran in 21-35% of the
+    steps, paying ones (1.6 tokens, 1.23x) were dropped for root-only steps in 5-18% (scrambled-drafter
+    run, session 46: DART 0.94x plain at batch 16)."""
+    steps = 6 * 8 * 40
+    allowance = GUARD_SETTLE_SAMPLES + 2 * steps // 50  # settling, then regular probes (two buckets' worth)
+    poor = _drain(GuardedTreeSizes(TreeSizeSchedule.parse("1:8,8:4", 8)), 1.07, seed)
+    assert poor[4] <= allowance
+    paying = _drain(GuardedTreeSizes(TreeSizeSchedule.parse("1:8,8:4", 8)), 1.6, seed)
+    assert paying[1] <= allowance
+
+
 def test_the_cpu_default_is_guarded_and_an_explicit_schedule_is_not(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({}))
     args = SimpleNamespace(

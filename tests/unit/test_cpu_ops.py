@@ -175,6 +175,8 @@ def test_copy_all_layer_kv_cache_random(seed):
         ([1, 2, 3], [2, 3, 4]),  # shift left
         ([0, 5], [5, 0]),  # swap
         ([7], [7]),  # self copy
+        ([3, 4], [3, 4]),  # every row already in place (a verify that accepted its first nodes)
+        ([2, 3, 5], [2, 4, 5]),  # in place but one
         ([9, 8, 7, 6], [6, 7, 8, 9]),  # reversal
     ],
 )
