@@ -23,7 +23,8 @@ about 5 (weight 0.2): a step's time varies little, but how many drafts it accept
 whole path. With the short average two poor steps sent a paying tree below plain decoding, and one probe
 step decided its way back (peers run 4: 17 switches in 7 minutes at batch 1; simulated trees that pay
 1.45x ran root-only in 36-55% of steps). The guard also probes each of its two sizes every 5 steps until
-it has 20 steps of it, so an unlucky warm-up does not decide either.
+it has 20 steps of it, so an unlucky warm-up does not decide either (a tree that measured under 0.7x the
+root alone's rate excepted: it costs over 1.4 root-only steps, and the regular probes re-check it).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ TOKENS_SMOOTHING = 0.01  # weight of one step's tokens: acceptance is noisy per 
 # correct them. Not for `auto`: its five sizes include trees that cost many plain steps each.
 GUARD_SETTLE_SAMPLES = 20
 SETTLE_EVERY = 5
+# Only trees measured at least this share of the best's rate are settled. A tree emits at least one token
+# per request, so one below 0.7 costs over 1.4 root-only steps: 20 settling steps of it cost as much as 8
+# lost steps or more (a scrambled drafter at batch 32-63: 2.2 root-only steps each, DART 0.93x plain).
+SETTLE_WITHIN = 0.7
 SWITCH_MARGIN = 0.05  # another size must beat the one in use by this much: noise is no reason to switch
 
 
@@ -152,8 +157,16 @@ class AdaptiveTreeSizes:
         if best != bucket.chosen:
             bucket.chosen = best
             self._log_choice(batch_size, bucket)
+        # Settling re-tries a size an unlucky warm-up may have misjudged. A tree that measured far behind
+        # (one that costs twice a root-only step and fills nothing) is left to the regular probes; the
+        # root alone, the size never to lose to, is always settled.
+        best_rate = bucket.stats[best].rate
         unsettled = [
-            size for size, st in bucket.stats.items() if size != best and st.samples < self.settle_samples
+            size
+            for size, st in bucket.stats.items()
+            if size != best
+            and st.samples < self.settle_samples
+            and (size == 1 or st.rate >= SETTLE_WITHIN * best_rate)
         ]
         if unsettled and bucket.steps % SETTLE_EVERY == 0:
             probe = unsettled[bucket.probes % len(unsettled)]

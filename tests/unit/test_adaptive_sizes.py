@@ -263,6 +263,36 @@ def test_the_guard_is_not_thrown_by_a_draining_batch(seed):
     assert paying[1] <= allowance
 
 
+def test_the_guard_does_not_settle_trees_that_measured_far_behind():
+    """Trees of 4 at a large batch cost 2.2 root-only steps and fill 1.05 tokens a request: after its
+    warm-up the guard leaves them to the regular probes instead of 20 settling steps."""
+    chooser = GuardedTreeSizes(TreeSizeSchedule.parse("1:8,8:4", 8))
+    picked = _run(
+        chooser,
+        48,
+        500,
+        lambda bs, size: 0.005 * bs * (2.2 if size > 1 else 1.0),
+        lambda bs, size: bs * (1.05 if size > 1 else 1.0),
+    )
+    assert chooser.best(48) == 1
+    assert picked[4] <= chooser.warmup + 500 // 50
+
+
+def test_the_guard_always_settles_the_root_alone():
+    """Trees measured far ahead of the root alone in a lucky warm-up: the root alone is still settled."""
+    chooser = GuardedTreeSizes(TreeSizeSchedule.parse("1:8", 8))
+    lucky = iter([8.0] * 3)
+    picked = _run(
+        chooser,
+        1,
+        200,
+        lambda bs, size: 0.05 * (1.3 if size > 1 else 1.0),
+        lambda bs, size: next(lucky, 1.1) if size > 1 else 1.0,
+    )
+    assert picked[1] >= GUARD_SETTLE_SAMPLES
+    assert chooser.best(1) == 1
+
+
 def test_the_cpu_default_is_guarded_and_an_explicit_schedule_is_not(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({}))
     args = SimpleNamespace(
