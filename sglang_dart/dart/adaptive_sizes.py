@@ -46,7 +46,7 @@ GUARD_SETTLE_SAMPLES = 20
 SETTLE_EVERY = 5
 # Only trees measured at least this share of the best's rate are settled. A tree emits at least one token
 # per request, so one below 0.7 costs over 1.4 root-only steps: 20 settling steps of it cost as much as 8
-# lost steps or more (a scrambled drafter at batch 32-63: 2.2 root-only steps each, DART 0.93x plain).
+# lost steps or more (a scrambled drafter's trees of 4 at 64 requests: 2.2 root-only steps each).
 SETTLE_WITHIN = 0.7
 SWITCH_MARGIN = 0.05  # another size must beat the one in use by this much: noise is no reason to switch
 
