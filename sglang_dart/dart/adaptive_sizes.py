@@ -158,8 +158,8 @@ class AdaptiveTreeSizes:
             bucket.chosen = best
             self._log_choice(batch_size, bucket)
         # Settling re-tries a size an unlucky warm-up may have misjudged. A tree that measured far behind
-        # (one that costs twice a root-only step and fills nothing) is left to the regular probes; the
-        # root alone, the size never to lose to, is always settled.
+        # (under SETTLE_WITHIN of the best's rate) is left to the regular probes; the root alone, the size
+        # never to lose to, is always settled.
         best_rate = bucket.stats[best].rate
         unsettled = [
             size

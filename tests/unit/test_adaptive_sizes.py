@@ -235,16 +235,17 @@ def _drain(chooser: AdaptiveTreeSizes, tokens_per_request: float, seed: int) -> 
     """Batches that drain from 15 requests to 8 as their answers finish, six times over (one batch-size
     bucket throughout), trees of 4 costing 1.3x a root-only step's per-request time, +-10% noise."""
     rng = random.Random(seed)
+
+    def seconds(bs: int, size: int) -> float:
+        return (0.03 + 0.004 * (1.3 if size > 1 else 1.0) * bs) * rng.uniform(0.9, 1.1)
+
+    def tokens(bs: int, size: int) -> float:
+        return bs * (tokens_per_request if size > 1 else 1.0)
+
     picked: Counter = Counter()
     for _ in range(6):
         for batch_size in range(15, 7, -1):
-            for _ in range(40):
-                size = chooser.size_for(batch_size)
-                picked[size] += 1
-                per_request = 0.004 * (1.3 if size > 1 else 1.0)
-                seconds = (0.03 + per_request * batch_size) * rng.uniform(0.9, 1.1)
-                tokens = batch_size * (tokens_per_request if size > 1 else 1.0)
-                chooser.record(batch_size, size, seconds, tokens)
+            picked += _run(chooser, batch_size, 40, seconds, tokens)
     return picked
 
 
