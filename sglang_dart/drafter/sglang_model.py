@@ -52,6 +52,8 @@ class LlamaForCausalLMDart(nn.Module):
         for name, tensor in state.items():
             target = self.drafter.get_buffer(name) if name == "d2t" else self.drafter.get_parameter(name)
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        # Once the weights are in place; a later load writes through the views into the stacked weights.
+        self.drafter.join_projections()
 
     def attach_target(
         self, embed_tokens: torch.Tensor, target_hidden_size: int, target_vocab_size: int

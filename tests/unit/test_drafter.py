@@ -223,3 +223,47 @@ def test_rope_looked_up_in_cached_tables_is_the_computed_rope(dtype):
     positions = torch.tensor([0, 1, 7, 8, 300, 301, 4095, 2, 299])
     tables = rope_tables(torch.arange(4096), 64, 10000.0, dtype)
     assert torch.equal(apply_rope(x, positions, 10000.0, tables), apply_rope(x, positions, 10000.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joined_projections_compute_what_the_separate_ones_do(tmp_path, dtype):
+    """A serving drafter runs q/k/v and gate/up as one product each (`join_projections`); its logits and
+    K/V are the separate products', and the five weights become views of the two stacked ones."""
+    ckpt = _write_checkpoint(tmp_path / "draft")
+    embed = _embedding().to(dtype)
+    separate = load_drafter(ckpt, embed, H, V, dtype=dtype)
+    joined = load_drafter(ckpt, embed, H, V, dtype=dtype)
+    joined.join_projections()
+    attn, mlp = joined.midlayer.self_attn, joined.midlayer.mlp
+    for layer, stacked in [(attn.v_proj, joined.qkv_weight), (mlp.up_proj, joined.gate_up_weight)]:
+        assert layer.weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+    gen = torch.Generator().manual_seed(4)
+    aux = torch.randn(3, 3 * H, generator=gen).to(dtype)
+    nxt = torch.randint(0, V, (3,), generator=gen)
+    with torch.no_grad():
+        want, got = separate(aux, nxt, start_pos=6), joined(aux, nxt, start_pos=6)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.logits, want.logits, **tolerance)
+    torch.testing.assert_close(got.real_keys, want.real_keys, **tolerance)
+    torch.testing.assert_close(got.real_values, want.real_values, **tolerance)
+
+
+def test_loading_weights_again_writes_through_the_joined_projections(tmp_path):
+    """SGLang's loader may load a served drafter's weights again (a weight update): the stacked weights
+    the draft step reads must be the new ones."""
+    from transformers import LlamaConfig
+
+    from sglang_dart.drafter.model import read_weights
+    from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
+
+    first, second = _write_checkpoint(tmp_path / "a", seed=0), _write_checkpoint(tmp_path / "b", seed=1)
+    model = LlamaForCausalLMDart(LlamaConfig(**json.loads((first / "config.json").read_text()))).float()
+    model.load_weights(read_weights(first).items())
+    joined = model.drafter.qkv_weight
+    model.load_weights(read_weights(second).items())
+    assert model.drafter.qkv_weight is joined
+    new = read_weights(second)
+    want = torch.cat([new[f"midlayer.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(joined, want)
+    up = new["midlayer.mlp.up_proj.weight"]
+    assert torch.equal(model.drafter.gate_up_weight[-up.shape[0] :], up)
