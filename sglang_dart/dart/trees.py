@@ -26,7 +26,7 @@ from sglang_dart.dart.sampling import node_paths
 from sglang_dart.dart.verify_mask import full_verify_mask
 from sglang_dart.drafter import DartDrafter
 from sglang_dart.ngram import NgramStore
-from sglang_dart.pruner import PrunerConfig, prune_batch
+from sglang_dart.pruner import PrunedTrees, PrunerConfig, prune_batch
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,21 @@ class DraftCandidates:
 
     def current(self, now: Progress) -> bool:
         return self.at.committed == now.committed and self.at.root == now.root
+
+
+def tree_links(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First child and next sibling ([bs, N] int64, -1: none) of every node of trees whose nodes come in
+    depth-ascending order, root first (`parents` [bs, N], -1 at the root): the links SGLang's tree walk
+    follows, children in node order."""
+    bs, n = parents.shape
+    first_child = np.full((bs, n), -1, dtype=np.int64)
+    next_sibling = np.full((bs, n), -1, dtype=np.int64)
+    rows = np.arange(bs)
+    for node in range(n - 1, 0, -1):  # backwards: a node's first child is the last one recorded
+        parent = parents[:, node]
+        next_sibling[:, node] = first_child[rows, parent]
+        first_child[rows, parent] = node
+    return first_child, next_sibling
 
 
 class Trees:
@@ -80,12 +95,13 @@ class Trees:
                     return 1
         return planned
 
-    def build(self, batch: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Flat node tokens [bs * size] and ancestor masks [bs * size * size] of this step's trees: the
-        pruned draft candidates, with each request's context chain grafted on (`pruner`)."""
+    def build(self, batch: Any, size: int) -> PrunedTrees:
+        """This step's trees ([bs, size] nodes): the pruned draft candidates, with each request's context
+        chain grafted on (`pruner`)."""
         if size == 1:
-            roots = self.progress.roots(batch.reqs)
-            return np.asarray(roots, dtype=np.int64), np.ones(len(roots), dtype=bool)
+            roots = np.asarray(self.progress.roots(batch.reqs), dtype=np.int64).reshape(-1, 1)
+            alone = np.zeros_like(roots, dtype=np.int32)
+            return PrunedTrees(roots, alone - 1, alone, np.ones((len(roots), 1, 1), dtype=bool))
         cands = [self.candidates[req.rid] for req in batch.reqs]
         # Requests drafted at different steps may have been drafted to different depths.
         depths = min(c.tokens.shape[0] for c in cands)
@@ -104,19 +120,25 @@ class Trees:
             chains=chains,
             chain_nodes=self.context_nodes,
         )
-        return trees.tokens.reshape(-1), trees.tree_mask.reshape(-1)
+        return trees
 
     def to_verify(self, batch: Any, size: int) -> None:
         """Turn a decode batch into a TARGET_VERIFY batch over this step's trees (NGRAM's verify layout,
         sized per step instead of per server)."""
         bs = len(batch.reqs)
         with self.timer.phase("prune"):
-            tokens, mask = self.build(batch, size)
-        draft_tokens = upload(torch.from_numpy(tokens), self.device)
+            trees = self.build(batch, size)
+        tokens, mask = trees.tokens.reshape(-1), trees.tree_mask.reshape(-1)
+        # SGLang's tree walk reads each node's first child and next sibling; the pruner's parents give them
+        # on the host, uploaded with the tokens and depths in one transfer (not re-derived from the
+        # ancestor masks on the device, as NGRAM, which has no parents, must).
+        first_child, next_sibling = tree_links(trees.parents)
+        index = np.arange(bs * size, dtype=np.int64).reshape(bs, size)
+        host = np.stack([trees.tokens, trees.depth.astype(np.int64), index, first_child, next_sibling])
+        draft_tokens, depth, *retrieve = upload(torch.from_numpy(host), self.device).unbind(0)
+        draft_tokens = draft_tokens.reshape(-1)
+        positions = (batch.seq_lens.to(torch.int64).unsqueeze(1) + depth).reshape(-1)
         tree_mask = upload(torch.from_numpy(mask), self.device)
-        positions = torch.empty(bs * size, dtype=torch.int64, device=self.device)
-        retrieve = [torch.empty((bs, size), dtype=torch.int64, device=self.device) for _ in range(3)]
-        ngram.reconstruct_indices_from_tree_mask(tree_mask, batch.seq_lens, positions, *retrieve, bs, size)
         self.host = (mask, tokens)
         if ngram.USE_FULL_MASK and not ngram._is_cpu:
             custom_mask = full_verify_mask(mask.reshape(bs, size, size), batch.seq_lens_cpu, self.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from sglang_dart.cpu.ops import (
     reconstruct_indices_from_tree_mask,
     verify_tree_greedy_cpu,
 )
+from sglang_dart.dart.trees import tree_links
 
 # ---------------------------------------------------------------------------------------------------------
 # req_to_token ranges
@@ -295,6 +297,18 @@ def test_reconstruct_indices_from_tree_mask(bs, d, shape, seed):
             assert next_token[b, i] == (kids[0] if kids else -1)
             later_siblings = [k for k in range(i + 1, d) if i > 0 and parents[k] == parents[i]]
             assert next_sibling[b, i] == (later_siblings[0] if later_siblings else -1)
+
+
+@pytest.mark.parametrize(("bs", "d", "shape", "seed"), TREE_CASES)
+def test_tree_links_from_parents_are_the_ones_rebuilt_from_masks(bs, d, shape, seed):
+    """DART's verify takes each node's first child and next sibling from the pruner's parents
+    (`trees.tree_links`) instead of rebuilding them from the ancestor masks: the same links."""
+    rng = random.Random(f"links-{bs}-{d}-{shape}-{seed}")
+    all_parents = [_random_parents(rng, d, shape) for _ in range(bs)]
+    _, _, next_token, next_sibling = _reconstruct(all_parents, [0] * bs)
+    first_child, sibling = tree_links(np.asarray(all_parents, dtype=np.int32))
+    assert torch.equal(torch.from_numpy(first_child), next_token)
+    assert torch.equal(torch.from_numpy(sibling), next_sibling)
 
 
 def test_reconstruct_indices_hand_written():
