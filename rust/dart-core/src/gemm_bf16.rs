@@ -119,10 +119,11 @@ mod avx512 {
 
     /// From this many input rows on, weight rows are taken in pairs (`paired_columns_block`). With one
     /// weight row per tile each dot product needs a load of its own (the input vector), which bounds the
-    /// in-cache rate; a pair feeds each input vector loaded to two. All of SmolLM2's linears on 2 cores:
-    /// 9 / 12 / 16 / 24 / 32 rows 16.1 / 18.6 / 22.9 / 35.4 / 51.1 -> 14.4 / 17.3 / 21.6 / 32.2 / 40.0
-    /// ms; 8 rows level, one row 10% slower (two weight streams from memory instead of one), so fewer
-    /// rows keep single weight rows.
+    /// in-cache rate; a pair feeds each input vector loaded to two. All of SmolLM2's linears on 2 cores,
+    /// two builds interleaved: 9 / 12 / 16 / 24 / 32 rows 14.1 / 18.6 / 20.4 / 35.4 / 51.1 -> 12.7 /
+    /// 17.3 / 18.9 / 32.2 / 40.0 ms; 8 rows level within 2%, one row 10% slower (two weight streams from
+    /// memory instead of one), so fewer rows keep single weight rows (benchmarks/results/throughput.md,
+    /// run 53).
     pub(super) const PAIRED_FROM_ROWS: usize = 9;
 
     /// `block` [columns, rows]: each weight row against row tiles of up to 8 inputs, one accumulator
