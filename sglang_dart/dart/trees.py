@@ -9,14 +9,13 @@ round trip is the only host-device crossing DART adds to a step (README, "Host-d
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
-from sglang.srt.speculative.ngram_worker import _derive_tree_links
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from sglang_dart.attention.tree_attention import upload
@@ -58,6 +57,15 @@ def tree_links(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first_child, next_sibling
 
 
+class HostTrees(NamedTuple):
+    """This step's trees as they stay on the host, flat: what the grammar walk and per-node paths read."""
+
+    mask: np.ndarray  # [bs * size * size] bool ancestor masks
+    tokens: np.ndarray  # [bs * size] node tokens
+    first_child: np.ndarray  # [bs, size] int64 (`tree_links`)
+    next_sibling: np.ndarray  # [bs, size] int64
+
+
 class Trees:
     def __init__(
         self,
@@ -83,7 +91,7 @@ class Trees:
         self.timer = timer
         self.context_nodes = context_nodes if progress.context is not None else 0
         self.candidates: dict[str, DraftCandidates] = {}
-        self.host: tuple[np.ndarray, np.ndarray] | None = None  # this step's masks and tokens
+        self.host: HostTrees | None = None  # this step's trees
 
     def size_for_step(self, batch: Any, planned: int) -> int:
         """The planned tree size, or 1 (the root alone) when some request has no current candidates, e.g.
@@ -139,7 +147,7 @@ class Trees:
         draft_tokens = draft_tokens.reshape(-1)
         positions = (batch.seq_lens.to(torch.int64).unsqueeze(1) + depth).reshape(-1)
         tree_mask = upload(torch.from_numpy(mask), self.device)
-        self.host = (mask, tokens)
+        self.host = HostTrees(mask, tokens, first_child, next_sibling)
         if ngram.USE_FULL_MASK and not ngram._is_cpu:
             custom_mask = full_verify_mask(mask.reshape(bs, size, size), batch.seq_lens_cpu, self.device)
         else:
@@ -168,17 +176,16 @@ class Trees:
         )
         batch.spec_info.capture_hidden_mode = CaptureHiddenMode.FULL  # the drafter reads the taps
 
-    def grammar_mask(self, batch: Any, size: int) -> Any:
+    def grammar_mask(self, batch: Any) -> Any:
         """Per-node vocabulary mask of grammar-constrained requests, walked over this step's trees."""
         if not batch.has_grammar or self.host is None:
             return None
-        mask, req_drafts = self.host
-        bs = len(batch.reqs)
-        next_token, next_sibling = _derive_tree_links(mask, bs, size)
-        drafts = torch.from_numpy(req_drafts).to(torch.int64).view(bs, -1)
+        host = self.host
+        drafts = torch.from_numpy(host.tokens).to(torch.int64).view(len(batch.reqs), -1)
+        links = torch.from_numpy(host.first_child), torch.from_numpy(host.next_sibling)
         return build_grammar_vocab_mask(
             reqs=batch.reqs,
-            tree=GrammarTree.from_host(next_token, next_sibling, drafts),
+            tree=GrammarTree.from_host(*links, drafts),
             sampling_info=batch.sampling_info,
             device=batch.seq_lens.device,
             barrier=None,
@@ -188,7 +195,7 @@ class Trees:
         """The tokens a request's output lacks at every node of this step's trees: the drafts on the path
         to the node (see `sampling.node_paths`), after any tokens SGLang has not appended to the request yet
         (overlap scheduling), so per-node penalties and processors see the request's whole output."""
-        mask, tokens = self.host
+        mask, tokens = self.host.mask, self.host.tokens
         bs = len(reqs)
         paths = node_paths(mask.reshape(bs, size, size), tokens.reshape(bs, size))
         for req, request_paths in zip(reqs, paths, strict=True):

@@ -321,7 +321,7 @@ class DartWorker(NGRAMWorker):
         decoding applies to a token's logits is applied per node: the grammar, exact penalties, logit
         bias and custom processors; sampled and processed nodes are pinned to their choice."""
         logits = logits_output.next_token_logits
-        grammar_mask = self.trees.grammar_mask(batch, size)
+        grammar_mask = self.trees.grammar_mask(batch)
         if grammar_mask is not None:  # before sampling: draws come from the constrained target
             grammar_mask.apply(logits)
         sampling_info = batch.sampling_info
