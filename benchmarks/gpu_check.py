@@ -50,8 +50,11 @@ PROMPTS = [
 ]
 
 
-# Servers whose failure is recorded and does not stop the check: the peer timed beside DART.
-OPTIONAL = ("eagle3",)
+# Servers whose failure is recorded and does not stop the check: the peer timed beside DART, and DART with
+# its draft step eager (no CUDA graphs: the A/B of `sglang_dart/dart/device_graphs.py`).
+OPTIONAL = ("eagle3", "dart-eager")
+# The environment of each server that needs one.
+SERVER_ENV = {"dart-eager": {"SGLANG_DART_DRAFT_GRAPHS": "0"}}
 
 
 def _chat_ids(model: Path, n: int) -> list[list[int]]:
@@ -166,7 +169,8 @@ def _servers_side_by_side(
     it profiles, so --max-total-tokens keeps them from racing for it). An OPTIONAL server that fails to
     start is recorded and left out; any other failure stops them all."""
     servers = {
-        name: SglangServer(args.model, extra, args.out / f"{name}.log") for name, extra in specs.items()
+        name: SglangServer(args.model, extra, args.out / f"{name}.log", env=SERVER_ENV.get(name))
+        for name, extra in specs.items()
     }
 
     def start(item: tuple[str, SglangServer]) -> BaseException | None:
@@ -200,6 +204,8 @@ def _greedy_and_timings(
     greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     prompts = _chat_ids(args.model, max(32, max(args.batch_sizes)))
     specs = {"plain": common, "dart": common + dart_args}
+    if args.dart_eager:
+        specs["dart-eager"] = common + dart_args
     if args.eagle3_draft:
         specs["eagle3"] = common + [
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.eagle3_draft,
@@ -343,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         "--eagle3-args",
         default="--speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8",
         help="the EAGLE3 server's settings (default: the best of peers runs 8-9 on CPU)",
+    )
+    parser.add_argument(
+        "--dart-eager", action="store_true", help="a DART server with its draft step eager, timed beside"
     )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", help="for every server (default: SGLang's; DART's on DART)")

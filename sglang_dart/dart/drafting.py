@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
 from sglang_dart.attention.tree_attention import upload
+from sglang_dart.dart.device_graphs import DeviceGraphs
 from sglang_dart.dart.draft_block import block_layout, path_residual_slots
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import KEPT_TOKENS, Progress, RequestProgress
@@ -64,6 +66,7 @@ class DraftForward:
         target_req_to_token: torch.Tensor,
         scratch_base: int,
         num_slots: int,
+        graphs: DeviceGraphs | None = None,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -82,6 +85,7 @@ class DraftForward:
         self.scratch_base = scratch_base
         max_batch = target_req_to_token.shape[0]
         self.junk_slot = scratch_base + max_batch * (self.num_masks + 1)  # the last scratch slot
+        self.graphs = graphs or DeviceGraphs(self.device, enabled=False)
 
     @staticmethod
     def scratch_slots(max_batch: int, draft_length: int) -> int:
@@ -244,14 +248,31 @@ class DraftForward:
         accept_lens: torch.Tensor,
         taps: torch.Tensor,
     ) -> None:
-        """Fuse the taps of the tokens a verify accepted into their slots, on the device: path node j of
-        request i (j < accept_lens[i], path_nodes [bs, size] flat verify nodes) is the token at position
-        committed[i] + j. Every node column is fused; those past a path go to the junk row."""
+        """Fuse the taps of the tokens a verify accepted into their slots, on the device (a graph per
+        shape on a GPU): path node j of request i (j < accept_lens[i], path_nodes [bs, size] flat verify
+        nodes) is the token at position committed[i] + j. Every node column is fused; those past a path go
+        to the junk row."""
+        self.graphs.run(
+            "path-residuals",
+            self._store_path_residuals,
+            (rows, committed, path_nodes, accept_lens, taps),
+            rows.shape[0],
+        )
+
+    def _store_path_residuals(
+        self,
+        rows: torch.Tensor,
+        committed: torch.Tensor,
+        path_nodes: torch.Tensor,
+        accept_lens: torch.Tensor,
+        taps: torch.Tensor,
+    ) -> tuple[()]:
         slots = path_residual_slots(
             self.req_to_token, rows, committed, accept_lens, path_nodes.shape[1], self.junk_residual
         )
         nodes = path_nodes.to(torch.int64).clamp(min=0).reshape(-1)
         self.residual[slots] = self.drafter.fuse(taps[nodes].to(self.residual.dtype))
+        return ()
 
     @torch.no_grad()
     def block_step(
@@ -266,11 +287,50 @@ class DraftForward:
         depths: int,
     ) -> torch.Tensor:
         """Draft from the entries a verify committed, laid out on the device (`draft_block`): nothing is
-        read back, and the forward has one shape per (batch, tree size, depth). Entries before committed - 1
-        must be stored (a deferred tail flushed first); the residuals of the path must be stored
-        (`store_path_residuals`). Returns logits [bs, D, draft_vocab] as `step` does."""
-        drafter = self.drafter
+        read back, and the forward has one shape per (batch, tree size, depth), so on a GPU its pieces
+        before and after the attention replay captured graphs (`device_graphs`). Entries before
+        committed - 1 must be stored (a deferred tail flushed first); the residuals of the path must be
+        stored (`store_path_residuals`). Returns logits [bs, D, draft_vocab] as `step` does, valid until
+        the next block step of the same shape."""
         masks = max(0, min(self.num_masks, depths - 1))
+        bs, size = path_nodes.shape
+        width = size + 1 + masks
+        q, k, v, kv_slots, positions, residual, head_rows = self.graphs.run(
+            f"block-inputs-{masks}",
+            partial(self._block_inputs, masks),
+            (rows, committed, path_nodes, accept_lens, predict, roots),
+            bs,
+        )
+        prefix = committed.to(torch.int64) - 1
+        batch = self._extend_batch(
+            rows.to(torch.int64),
+            prefix,
+            torch.full_like(prefix, width),
+            [c - 1 for c in committed_list],
+            [width] * bs,
+            kv_slots,
+            positions,
+        )
+        backend = self.draft_runner.attn_backend
+        backend.init_forward_metadata(batch)
+        with forward_context(ForwardContext(attn_backend=backend)):
+            context = self.model.attend(q, k, v, batch)
+        (logits,) = self.graphs.run("block-head", self._block_head, (residual, context, head_rows), bs)
+        return logits.view(bs, masks + 1, -1)
+
+    def _block_inputs(
+        self,
+        masks: int,
+        rows: torch.Tensor,
+        committed: torch.Tensor,
+        path_nodes: torch.Tensor,
+        accept_lens: torch.Tensor,
+        predict: torch.Tensor,
+        roots: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """A block step up to its attention, on the device alone (a graph holds it): the row layout, the
+        draft table's columns, q/k/v. Returns (q, k, v, kv_slots, positions, residual, head_rows)."""
+        drafter = self.drafter
         layout = block_layout(
             self.req_to_token,
             rows,
@@ -285,8 +345,8 @@ class DraftForward:
             self.junk_slot,
             self.junk_residual,
         )
-        bs, width = len(committed_list), layout.width
-        rows_by_row = rows.to(torch.int64).repeat_interleave(width)
+        bs, width = rows.shape[0], layout.width
+        rows_by_row = rows.to(torch.int64).unsqueeze(1).expand(bs, width).reshape(-1)
         self.draft_table[rows_by_row, layout.positions] = layout.kv_slots.to(self.draft_table.dtype)
 
         residual_rows = self.residual[layout.residual_slots]
@@ -296,24 +356,13 @@ class DraftForward:
         attn_in = torch.where(real, real_in, mask_in)
         residual = torch.where(real, residual_rows, mask_residual)
         q, k, v = drafter.project_qkv(attn_in, layout.positions)
+        return q, k, v, layout.kv_slots, layout.positions, residual, layout.head_rows
 
-        prefix_list = [c - 1 for c in committed_list]
-        prefix = committed.to(torch.int64) - 1
-        batch = self._extend_batch(
-            rows.to(torch.int64),
-            prefix,
-            torch.full_like(prefix, width),
-            prefix_list,
-            [width] * bs,
-            layout.kv_slots,
-            layout.positions,
-        )
-        backend = self.draft_runner.attn_backend
-        backend.init_forward_metadata(batch)
-        with forward_context(ForwardContext(attn_backend=backend)):
-            context = self.model.attend(q, k, v, batch)
-        logits = drafter.head(residual[layout.head_rows], context[layout.head_rows])
-        return logits.view(bs, masks + 1, -1)
+    def _block_head(
+        self, residual: torch.Tensor, context: torch.Tensor, head_rows: torch.Tensor
+    ) -> tuple[torch.Tensor]:
+        """A block step after its attention (a graph holds it): the head rows' logits."""
+        return (self.drafter.head(residual[head_rows], context[head_rows]),)
 
     def _extend_batch(
         self,

@@ -54,6 +54,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import StepClock
+from sglang_dart.dart.device_graphs import DeviceGraphs
 from sglang_dart.dart.drafting import DraftForward, Drafting, UnsettledStep, VerifiedStep
 from sglang_dart.dart.penalties import apply_node_penalties, penalized
 from sglang_dart.dart.phase_timer import PhaseTimer
@@ -80,6 +81,7 @@ logger = logging.getLogger(__name__)
 # SGLANG_DART_CHECKS=1 (the tests set it): assert bookkeeping invariants every step; a broken one ends the
 # server instead of quietly degrading the drafts (which would cost speed, never correctness).
 CHECKS_ENV = "SGLANG_DART_CHECKS"
+DRAFT_GRAPHS_ENV = "SGLANG_DART_DRAFT_GRAPHS"
 
 
 def _check_roots_follow_the_cache(
@@ -257,9 +259,24 @@ class DartWorker(NGRAMWorker):
         self._draft_worker.init_attention_backends()
 
     def init_cuda_graphs(self) -> None:
-        """The draft forward runs eagerly. After a verify its shape is fixed by the batch and tree sizes
-        alone (`draft_block`), which a captured graph would need; the target's verify graphs are SGLang's
-        own (`gpu_contracts`)."""
+        """The target's verify graphs are SGLang's own (`gpu_contracts`), captured before this. The draft
+        step after a verify has a shape fixed by the batch and tree sizes alone (`draft_block`): where
+        SGLang runs graphs, its pieces are captured per shape at first use, up to SGLang's largest graph
+        batch (`device_graphs`). DRAFT_GRAPHS_ENV=0 keeps them eager; =emulate runs the graphs' buffer
+        contract without CUDA (tests)."""
+        if self.drafting is None:
+            return
+        runner = getattr(self.model_runner, "decode_cuda_graph_runner", None)
+        choice = os.environ.get(DRAFT_GRAPHS_ENV, "1")
+        emulate = choice == "emulate"
+        enabled = (runner is not None or emulate) and choice != "0"
+        max_batch = getattr(runner, "max_bs", None)
+        graphs = DeviceGraphs(torch.device(self.device), enabled, max_batch=max_batch, emulate=emulate)
+        self.drafting.forward.graphs = graphs
+        logger.info(
+            "DART: draft step graphs %s",
+            ("emulated" if emulate else f"captured at first use, batch <= {max_batch}") if enabled else "off",
+        )
 
     def _init_preallocated_tensors(self) -> None:
         """NGRAM's verify buffers are sized for a fixed tree; DART's tree size changes per step, so its

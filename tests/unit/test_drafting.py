@@ -13,6 +13,7 @@ from transformers import LlamaConfig
 
 from sglang_dart.cpu.attention import TreeVerifyCpuAttnBackend
 from sglang_dart.dart import drafting as drafting_module
+from sglang_dart.dart.device_graphs import DeviceGraphs
 from sglang_dart.dart.drafting import FLUSH_GAP, Drafting, VerifiedStep
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import RequestProgress
@@ -325,15 +326,18 @@ def test_a_prefill_over_a_prefix_left_with_deferred_entries_drafts_exactly(tmp_p
     torch.testing.assert_close(trees.logits[0], expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("accelerator_width", [False, True])
+@pytest.mark.parametrize(
+    ("accelerator_width", "graphs"), [(False, False), (True, False), (True, True)], ids=["cpu", "acc", "graphs"]
+)
 def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(
-    tmp_path, monkeypatch, accelerator_width
+    tmp_path, monkeypatch, accelerator_width, graphs
 ):
     """Drafting after verifies of branching trees, laid out on the device (`draft_block`): requests in
     scattered table rows accept different numbers of nodes at different places of their trees (the other
     nodes carry junk taps and tokens), some steps draft nothing; after every drafting step each request's
     drafts are the single-request drafter's over its whole sequence. Blocks as wide as the longest path
-    (a CPU's) or as the whole tree (an accelerator's, padded)."""
+    (a CPU's) or as the whole tree (an accelerator's, padded), and the accelerator's pieces replayed from
+    their graphs' buffers (`device_graphs`, emulated: each shape's buffers reused by later steps)."""
     if accelerator_width:
         monkeypatch.setattr(drafting_module, "_longest_paths_on_cpu", lambda nodes, lens: nodes)
     path = _write_checkpoint(tmp_path / "draft")
@@ -346,6 +350,8 @@ def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(
     for i, row in enumerate(rows):
         req_to_token[row] = perm[i * max_len : (i + 1) * max_len]
     runner = _draft_forward(path, req_to_token, num_slots)
+    if graphs:
+        runner.graphs = DeviceGraphs(torch.device("cpu"), True, emulate=True)
     trees = _KeptTrees()
     drafting = Drafting(runner, trees, RequestProgress(), PhaseTimer(enabled=False))
     reqs = [SimpleNamespace(rid=f"r{i}") for i in range(3)]
@@ -368,6 +374,8 @@ def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(
         (4, [2, 1, 1], None),
         (5, [1, 4, 2], 9),
         (3, [3, 3, 1], 3),
+        (6, [2, 5, 1], 4),
+        (4, [4, 1, 3], 9),
     ):
         bs = len(reqs)
         predict = torch.randint(0, V, (bs * size,), generator=gen)
@@ -405,6 +413,8 @@ def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(
             assert trees.logits.shape[1] == rows_drafted
             torch.testing.assert_close(trees.logits[i], expected[:rows_drafted], atol=1e-4, rtol=1e-4)
         trees.logits = None
+    if graphs:  # later steps of a shape replayed the first one's graph
+        assert {key[0] for key in runner.graphs.graphs} >= {"path-residuals", "block-head"}
 
 
 def test_a_block_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_path):
