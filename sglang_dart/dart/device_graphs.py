@@ -61,6 +61,7 @@ class DeviceGraphs:
         self.graphs: dict[tuple[Any, ...], _Captured] = {}
         self.failure: str | None = None
         self._pool: Any = None
+        self._stream: Any = None  # the capture stream, made at the first capture
 
     def run(self, name: str, fn: Callable[..., Outputs], inputs: Inputs, batch: int) -> Outputs:
         if not self.enabled or (self.max_batch is not None and batch > self.max_batch):
@@ -93,7 +94,8 @@ class DeviceGraphs:
             return _Captured(buffers, outputs, rerun)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # One eager run first, on the capture stream: lazy initialisations (library handles, workspaces,
         # kernel compilation) must not happen inside the capture.
