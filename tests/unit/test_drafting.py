@@ -327,7 +327,9 @@ def test_a_prefill_over_a_prefix_left_with_deferred_entries_drafts_exactly(tmp_p
 
 
 @pytest.mark.parametrize(
-    ("accelerator_width", "graphs"), [(False, False), (True, False), (True, True)], ids=["cpu", "acc", "graphs"]
+    ("accelerator_width", "graphs"),
+    [(False, False), (True, False), (True, True)],
+    ids=["cpu", "acc", "graphs"],
 )
 def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(
     tmp_path, monkeypatch, accelerator_width, graphs
