@@ -10,10 +10,13 @@ host-built tensor, no allocation that outlives it but its outputs), its inputs a
 shapes and dtypes (with the piece's name) decide everything it computes, and the persistent tensors it
 reads or writes (weights, request tables, pools) are never reallocated. Each replay copies the inputs into
 the graph's own buffers and returns the graph's output tensors, which the next replay of the same shape
-overwrites: a caller finishes with them (or copies them) before that.
+overwrites (and so does the next replay of any shape of that piece: their outputs share buffers): a caller
+finishes with them (or copies them) before that.
 
-Graphs share one memory pool: a graph's temporaries are dead once it has run, and graphs run one at a time
-on the step's stream. A capture that fails (an operation a graph cannot hold) is logged once and the pieces
+Memory: graphs share one pool for their temporaries (dead once a graph has run; graphs run one at a time on
+the step's stream), and the graphs of a piece share its output buffers, so the pieces hold about one
+largest step's worth of activations however many shapes are captured (the draft's head ends in its top-k,
+so no logits are kept). A capture that fails (an operation a graph cannot hold) is logged once and the pieces
 then run eagerly, as they do on a CPU; nothing is lost but the speed.
 """
 
@@ -62,6 +65,7 @@ class DeviceGraphs:
         self.failure: str | None = None
         self._pool: Any = None
         self._stream: Any = None  # the capture stream, made at the first capture
+        self._outputs: dict[tuple[Any, ...], torch.Tensor] = {}  # `_shared_views`
 
     def run(self, name: str, fn: Callable[..., Outputs], inputs: Inputs, batch: int) -> Outputs:
         if not self.enabled or (self.max_batch is not None and batch > self.max_batch):
@@ -72,7 +76,7 @@ class DeviceGraphs:
             if len(self.graphs) >= self.max_graphs:
                 return fn(*inputs)
             try:
-                captured = self._capture(fn, inputs)
+                captured = self._capture(name, fn, inputs, batch)
             except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager pieces
                 self._give_up(name, exc)
                 return fn(*inputs)
@@ -82,31 +86,51 @@ class DeviceGraphs:
         captured.replay()
         return captured.outputs
 
-    def _capture(self, fn: Callable[..., Outputs], inputs: Inputs) -> _Captured:
+    def _capture(self, name: str, fn: Callable[..., Outputs], inputs: Inputs, batch: int) -> _Captured:
         buffers = tuple(x.clone() for x in inputs)
         if self.emulate:
-            outputs = tuple(fn(*buffers))
+            views = self._shared_views(name, fn(*buffers), batch)
 
             def rerun() -> None:
-                for out, new in zip(outputs, fn(*buffers), strict=True):
-                    out.copy_(new)
+                for view, out in zip(views, fn(*buffers), strict=True):
+                    view.copy_(out)
 
-            return _Captured(buffers, outputs, rerun)
+            rerun()
+            return _Captured(buffers, views, rerun)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # One eager run first, on the capture stream: lazy initialisations (library handles, workspaces,
-        # kernel compilation) must not happen inside the capture.
+        # kernel compilation) must not happen inside the capture; it also gives the outputs' shapes.
         with torch.cuda.stream(stream):
-            fn(*buffers)
+            views = self._shared_views(name, fn(*buffers), batch)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the server may use CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            outputs = tuple(fn(*buffers))
+            for view, out in zip(views, fn(*buffers), strict=True):
+                view.copy_(out)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        return _Captured(buffers, outputs, graph.replay)
+        return _Captured(buffers, views, graph.replay)
+
+    def _shared_views(self, name: str, outputs: Outputs, batch: int) -> Outputs:
+        """Views, shaped as `outputs`, of buffers every graph of `name` writes its outputs to, so that
+        outputs take the memory of the largest shape alone, not one copy per shape (a graph's temporaries
+        are in the shared pool already). A buffer is made for the largest batch at the per-request size
+        of the first shape that needs it (outputs grow with the batch); a shape needing more per request
+        makes a larger one, and graphs captured before keep the old one alive."""
+        views = []
+        for i, out in enumerate(outputs):
+            key = (name, i, out.dtype)
+            buffer = self._outputs.get(key)
+            if buffer is None or buffer.numel() < out.numel():
+                per_request = -(-out.numel() // max(batch, 1))
+                size = max(per_request * max(self.max_batch or batch, batch), out.numel())
+                buffer = torch.empty(size, dtype=out.dtype, device=out.device)
+                self._outputs[key] = buffer
+            views.append(buffer[: out.numel()].view(out.shape))
+        return tuple(views)
 
     def _give_up(self, name: str, exc: Exception) -> None:
         self.enabled = False

@@ -39,6 +39,7 @@ tokens the step committed and drafts from them (`DraftForward`), and keeps the c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -285,13 +286,15 @@ class DraftForward:
         predict: torch.Tensor,
         roots: torch.Tensor,
         depths: int,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Draft from the entries a verify committed, laid out on the device (`draft_block`): nothing is
         read back, and the forward has one shape per (batch, tree size, depth), so on a GPU its pieces
         before and after the attention replay captured graphs (`device_graphs`). Entries before
         committed - 1 must be stored (a deferred tail flushed first); the residuals of the path must be
-        stored (`store_path_residuals`). Returns logits [bs, D, draft_vocab] as `step` does, valid until
-        the next block step of the same shape."""
+        stored (`store_path_residuals`). Returns logits [bs, D, draft_vocab] as `step` does, or
+        finish(logits) (device work alone, such as the top-k: it runs in the head's graph), valid until
+        the next block step."""
         masks = max(0, min(self.num_masks, depths - 1))
         bs, size = path_nodes.shape
         width = size + 1 + masks
@@ -315,8 +318,10 @@ class DraftForward:
         backend.init_forward_metadata(batch)
         with forward_context(ForwardContext(attn_backend=backend)):
             context = self.model.attend(q, k, v, batch)
-        (logits,) = self.graphs.run("block-head", self._block_head, (residual, context, head_rows), bs)
-        return logits.view(bs, masks + 1, -1)
+        head = partial(self._block_head, bs, masks, finish)
+        name = "block-head" if finish is None else f"block-head-{_name_of(finish)}"
+        (out,) = self.graphs.run(name, head, (residual, context, head_rows), bs)
+        return out
 
     def _block_inputs(
         self,
@@ -359,10 +364,18 @@ class DraftForward:
         return q, k, v, layout.kv_slots, layout.positions, residual, layout.head_rows
 
     def _block_head(
-        self, residual: torch.Tensor, context: torch.Tensor, head_rows: torch.Tensor
+        self,
+        bs: int,
+        masks: int,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None,
+        residual: torch.Tensor,
+        context: torch.Tensor,
+        head_rows: torch.Tensor,
     ) -> tuple[torch.Tensor]:
-        """A block step after its attention (a graph holds it): the head rows' logits."""
-        return (self.drafter.head(residual[head_rows], context[head_rows]),)
+        """A block step after its attention (a graph holds it): the head rows' logits [bs, D, vocab], or
+        what `finish` makes of them."""
+        logits = self.drafter.head(residual[head_rows], context[head_rows]).view(bs, masks + 1, -1)
+        return (logits if finish is None else finish(logits),)
 
     def _extend_batch(
         self,
@@ -481,7 +494,7 @@ class Drafting:
             drafting_from = time.perf_counter()
             if depths is not None:
                 self._flush_deferred(batch.reqs, rows, now)
-                logits = runner.block_step(
+                candidates = runner.block_step(
                     rows_d,
                     committed,
                     step.committed,
@@ -490,9 +503,8 @@ class Drafting:
                     step.predict,
                     step.roots,
                     depths,
+                    finish=self.trees.candidates_of,  # the top-k, in the head's graph on a GPU
                 )
-        if depths is not None:
-            candidates = self.trees.candidates_on_device(logits)
             drafting_seconds = time.perf_counter() - drafting_from  # queued, on a GPU: no wait here
         parts = [step.accept_lens.float(), path_nodes.reshape(-1).float(), step.predict.reshape(-1).float()]
         if candidates is not None:
@@ -668,3 +680,8 @@ def _ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Ten
     offsets = torch.cumsum(counts, 0) - counts
     within = torch.arange(total) - offsets.repeat_interleave(counts, output_size=total)
     return starts.repeat_interleave(counts, output_size=total) + within
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    """A function's name, for the graph key of a piece that ends in it."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__

@@ -213,15 +213,20 @@ class Trees:
         self.keep_host(reqs, both[0], both[1].astype(np.int64), at)
 
     def candidates_on_device(self, logits: torch.Tensor) -> torch.Tensor:
-        """[2, bs, D, k] float32: the probabilities (softmax over the top-k, as the reference) and target
-        ids of the top-k of every draft row, ready to cross to the host in one transfer."""
+        """`candidates_of`, timed as the step's top-k phase."""
         with self.timer.phase("topk"):
-            # top-k in the draft's dtype: upcasting every row of the draft vocabulary first cost more
-            # than the top-k itself; only the k kept values need float32.
-            top = torch.topk(logits, self.candidates_per_depth, dim=-1)
-            probs = torch.softmax(top.values.float(), dim=-1)
-            ids = self.drafter.draft_to_target(top.indices).float()  # exact: vocabularies < 2**24
-            return torch.stack([probs, ids])
+            return self.candidates_of(logits)
+
+    def candidates_of(self, logits: torch.Tensor) -> torch.Tensor:
+        """[2, bs, D, k] float32: the probabilities (softmax over the top-k, as the reference) and target
+        ids of the top-k of every draft row, ready to cross to the host in one transfer. Device work
+        alone: a block step's captured head ends with it (`device_graphs`)."""
+        # top-k in the draft's dtype: upcasting every row of the draft vocabulary first cost more than the
+        # top-k itself; only the k kept values need float32.
+        top = torch.topk(logits, self.candidates_per_depth, dim=-1)
+        probs = torch.softmax(top.values.float(), dim=-1)
+        ids = self.drafter.draft_to_target(top.indices).float()  # exact: vocabularies < 2**24
+        return torch.stack([probs, ids])
 
     def keep_host(self, reqs: list[Any], probs: np.ndarray, tokens: np.ndarray, at: list[Progress]) -> None:
         """Keep candidates read back to the host ([bs, D, k] each) for the next step's pruner."""

@@ -23,7 +23,7 @@ class _Counted:
 
 
 def test_replays_give_the_results_of_the_new_inputs_and_keep_one_graph_per_shape():
-    graphs = DeviceGraphs(torch.device("cpu"), True, emulate=True)
+    graphs = DeviceGraphs(torch.device("cpu"), True, max_batch=4, emulate=True)
     fn = _Counted()
     for a, b in [(torch.arange(3.0), torch.ones(3)), (torch.tensor([5.0, -1, 2]), torch.zeros(3))]:
         out, total = graphs.run("piece", fn, (a, b), batch=3)
@@ -33,7 +33,12 @@ def test_replays_give_the_results_of_the_new_inputs_and_keep_one_graph_per_shape
     first = graphs.run("piece", fn, (torch.ones(3), torch.ones(3)), batch=3)[0]
     second = graphs.run("piece", fn, (torch.zeros(3), torch.ones(3)), batch=3)[0]
     assert first is second  # a graph's outputs: the next replay of the shape overwrites them
-    graphs.run("piece", fn, (torch.ones(4), torch.ones(4)), batch=4)
+    longer = graphs.run("piece", fn, (torch.ones(4), torch.ones(4)), batch=4)[0]
+    shorter = graphs.run("piece", fn, (torch.full((3,), 7.0), torch.zeros(3)), batch=3)[0]
+    # The shapes of a piece share its output buffers, made for the largest batch: one largest output's
+    # memory, not one per shape.
+    assert shorter.data_ptr() == longer.data_ptr() == first.data_ptr()
+    torch.testing.assert_close(shorter, torch.full((3,), 14.0))
     graphs.run("piece", fn, (torch.ones(3, dtype=torch.float64), torch.ones(3)), batch=3)
     graphs.run("other", fn, (torch.ones(3), torch.ones(3)), batch=3)
     assert len(graphs.graphs) == 4  # a new shape, a new dtype, a new name

@@ -227,7 +227,10 @@ class _KeptTrees:
         self.logits = logits
 
     def candidates_on_device(self, logits: torch.Tensor) -> torch.Tensor:
-        self.logits = logits
+        return self.candidates_of(logits)
+
+    def candidates_of(self, logits: torch.Tensor) -> torch.Tensor:
+        self.logits = logits.clone()
         bs, depths = logits.shape[:2]
         return torch.zeros(2, bs, depths, 1, device=logits.device)
 
@@ -416,7 +419,8 @@ def test_block_steps_after_tree_verifies_draft_exactly_for_every_request(
             torch.testing.assert_close(trees.logits[i], expected[:rows_drafted], atol=1e-4, rtol=1e-4)
         trees.logits = None
     if graphs:  # later steps of a shape replayed the first one's graph
-        assert {key[0] for key in runner.graphs.graphs} >= {"path-residuals", "block-head"}
+        names = {key[0] for key in runner.graphs.graphs}
+        assert "path-residuals" in names and any(name.startswith("block-head") for name in names)
 
 
 def test_a_block_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_path):
