@@ -43,8 +43,11 @@ def qwen3_assets(tiny_qwen3_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def qwen3_dart(tiny_qwen3_dir, qwen3_assets, server_logs) -> Iterator[SglangServer]:
+    """DART as a GPU runs it: overlap scheduling, and the draft step's pieces replayed from per-shape
+    graph buffers (`device_graphs`, emulated: no CUDA here). The synchronous server drafts eagerly."""
     args = [*dart_server_args(*qwen3_assets), *SEED]
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart.log").start()
+    env = {"SGLANG_DART_DRAFT_GRAPHS": "emulate"}
+    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart.log", env=env).start()
     yield server
     server.stop()
 
@@ -69,6 +72,8 @@ def test_qwen3_greedy_equals_plain(request, qwen3_plain, concurrency, schedule):
         assert spec["output_ids"] == ref, prompt
         assert spec["meta_info"]["spec_verify_ct"] > 0
     assert dart.healthy()
+    graphs = "emulated" if schedule == "overlap" else "off"
+    assert f"DART: draft step graphs {graphs}" in dart.log_path.read_text()
 
 
 def test_context_chains_are_accepted_losslessly(
