@@ -145,6 +145,19 @@ def context_nodes(server_args: Any) -> int:
     return nodes
 
 
+DRAFT_GRAPHS_ENV = "SGLANG_DART_DRAFT_GRAPHS"
+DRAFT_GRAPHS_CHOICES = ("1", "0", "emulate")
+
+
+def draft_graphs_choice() -> str:
+    """How the draft step runs where SGLang runs CUDA graphs (`device_graphs`): "1" (default) replays
+    graphs, "0" keeps it eager, "emulate" replays the graphs' buffer contract without CUDA (tests)."""
+    value = os.environ.get(DRAFT_GRAPHS_ENV, "1").strip().lower()
+    if value not in DRAFT_GRAPHS_CHOICES:
+        raise DartArgsError(f"{DRAFT_GRAPHS_ENV} = {value!r}: need one of {', '.join(DRAFT_GRAPHS_CHOICES)}")
+    return value
+
+
 def candidates_per_depth() -> int:
     value = os.environ.get(TOPK_ENV, DEFAULT_TOPK)
     topk = _whole_count(value)

@@ -68,6 +68,7 @@ from sglang_dart.dart.settings import (
     DartArgsError,
     candidates_per_depth,
     context_nodes,
+    draft_graphs_choice,
     pruner_config,
     tree_size_schedule,
 )
@@ -81,7 +82,6 @@ logger = logging.getLogger(__name__)
 # SGLANG_DART_CHECKS=1 (the tests set it): assert bookkeeping invariants every step; a broken one ends the
 # server instead of quietly degrading the drafts (which would cost speed, never correctness).
 CHECKS_ENV = "SGLANG_DART_CHECKS"
-DRAFT_GRAPHS_ENV = "SGLANG_DART_DRAFT_GRAPHS"
 
 
 def _check_roots_follow_the_cache(
@@ -154,6 +154,7 @@ class DartWorker(NGRAMWorker):
         )
         self.drafting: Drafting | None = None  # once SGLang has allocated the pools
         self.checks = os.environ.get(CHECKS_ENV) == "1"
+        self._draft_graphs = draft_graphs_choice()  # checked at start-up, used once graphs are set up
         self._unsettled: tuple[UnsettledStep, float, int] | None = None  # see `_settle`
         self._step_kind = "prefill"  # what the last step was, for the host-read budget
 
@@ -262,12 +263,11 @@ class DartWorker(NGRAMWorker):
         """The target's verify graphs are SGLang's own (`gpu_contracts`), captured before this. The draft
         step after a verify has a shape fixed by the batch and tree sizes alone (`draft_block`): where
         SGLang runs graphs, its pieces are captured per shape at first use, up to SGLang's largest graph
-        batch (`device_graphs`). DRAFT_GRAPHS_ENV=0 keeps them eager; =emulate runs the graphs' buffer
-        contract without CUDA (tests)."""
+        batch (`device_graphs`), unless `draft_graphs_choice` says otherwise."""
         if self.drafting is None:
             return
         runner = getattr(self.model_runner, "decode_cuda_graph_runner", None)
-        choice = os.environ.get(DRAFT_GRAPHS_ENV, "1")
+        choice = self._draft_graphs
         emulate = choice == "emulate"
         enabled = (runner is not None or emulate) and choice != "0"
         max_batch = getattr(runner, "max_bs", None)

@@ -305,14 +305,16 @@ def test_root_only_steps_are_plain_decoding(
         server.stop()
 
 
-def _launch_dart(model: Path, draft: Path | None, store: Path | None, extra: list[str] = ()) -> str:
+def _launch_dart(
+    model: Path, draft: Path | None, store: Path | None, extra: list[str] = (), env: dict | None = None
+) -> str:
     args = ["--model-path", str(model), *device_flag(), "--port", str(free_port()), "--dtype", "float32"]
     args += ["--max-total-tokens", "4096", "--speculative-algorithm", "DART", *extra]
     if draft is not None:
         args += ["--speculative-draft-model-path", str(draft)]
     if store is not None:
         args += ["--speculative-ngram-external-corpus-path", str(store)]
-    result = run_launcher(args, timeout=300)
+    result = run_launcher(args, timeout=300, env=env)
     assert result.returncode != 0
     return result.stdout + result.stderr
 
@@ -339,6 +341,8 @@ def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_
     assert "--enable-return-hidden-states" in _launch_dart(tiny_qwen3_dir, draft, store, hidden)
     workers = ["--tokenizer-worker-num", "2"]  # would start tokenizer processes that cannot resolve DART
     assert "does not support --tokenizer-worker-num" in _launch_dart(tiny_qwen3_dir, draft, store, workers)
+    graphs = {"SGLANG_DART_DRAFT_GRAPHS": "yes"}
+    assert "SGLANG_DART_DRAFT_GRAPHS" in _launch_dart(tiny_qwen3_dir, draft, store, env=graphs)
 
 
 def test_chunked_prefill_and_stop_strings(tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs):

@@ -3,9 +3,11 @@ new inputs, one graph per name and input shapes, and every way out of graphs run
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sglang_dart.dart.device_graphs import DeviceGraphs
+from sglang_dart.dart.settings import DRAFT_GRAPHS_ENV, DartArgsError, draft_graphs_choice
 
 
 class _Counted:
@@ -79,3 +81,14 @@ def test_without_cuda_or_when_disabled_graphs_are_off():
     for _ in range(3):
         graphs.run("piece", fn, (torch.ones(2), torch.ones(2)), batch=2)
     assert fn.calls == 3 and not graphs.graphs
+
+
+def test_the_switch_takes_its_three_values_and_names_itself_when_wrong(monkeypatch):
+    monkeypatch.delenv(DRAFT_GRAPHS_ENV, raising=False)
+    assert draft_graphs_choice() == "1"
+    for value in ("0", "Emulate ", "1"):
+        monkeypatch.setenv(DRAFT_GRAPHS_ENV, value)
+        assert draft_graphs_choice() == value.strip().lower()
+    monkeypatch.setenv(DRAFT_GRAPHS_ENV, "yes")
+    with pytest.raises(DartArgsError, match=DRAFT_GRAPHS_ENV):
+        draft_graphs_choice()
