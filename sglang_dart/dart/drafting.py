@@ -505,7 +505,7 @@ class Drafting:
                     depths,
                     finish=self.trees.candidates_of,  # the top-k, in the head's graph on a GPU
                 )
-            drafting_seconds = time.perf_counter() - drafting_from  # queued, on a GPU: no wait here
+                drafting_seconds = time.perf_counter() - drafting_from  # queued, on a GPU: no wait here
         parts = [step.accept_lens.float(), path_nodes.reshape(-1).float(), step.predict.reshape(-1).float()]
         if candidates is not None:
             parts.append(candidates.reshape(-1))
