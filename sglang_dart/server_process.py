@@ -5,6 +5,7 @@ Used by the demo, the benchmarks and the tests."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -52,10 +53,42 @@ def dart_flags(draft: Path | str, store: Path | str) -> list[str]:
     ]
 
 
+_RNG = random.SystemRandom()  # not the global generator, which a program may have seeded
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now and outside the kernel's ephemeral range. A port from that range can be taken by
+    any outgoing connection's local end before the server binds it (seconds later), even by our own
+    readiness polls to it: on loopback such a poll can connect to itself and hold the port."""
+    low, high = _ephemeral_port_range()
+    ranges = [(1024, low - 1), (high + 1, 65535)]
+    candidates = [r for r in ranges if r[1] - r[0] >= 1000]
+    for _ in range(200):
+        start, end = _RNG.choice(candidates) if candidates else (1024, 65535)
+        port = _RNG.randint(start, end)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # the kernel's choice, as a last resort
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# How a server tells that a port it was given was taken before it could bind it: uvicorn's HTTP port
+# (the server then neither serves nor exits) or torch.distributed's rendezvous port (the server exits).
+# start() recognises these and starts again on other ports.
+_PORT_TAKEN = ("error while attempting to bind on address", "address already in use")
 
 
 class ServerFailed(RuntimeError):
@@ -83,9 +116,16 @@ class SglangServer:
         self.args = list(args)
         self.device_args = default_device_args() if device_args is None else list(device_args)
         self.log_path = Path(log_path)
+        self._choose_ports()
+        self.proc: subprocess.Popen | None = None
+
+    def _choose_ports(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
+        # SGLang's own choice of rendezvous port comes from the ephemeral range (see free_port)
+        self.nccl_port = None
+        while "--nccl-port" not in self.args and self.nccl_port in (None, self.port):
+            self.nccl_port = free_port()
 
     def command(self) -> list[str]:
         return [
@@ -98,11 +138,23 @@ class SglangServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            *([] if self.nccl_port is None else ["--nccl-port", str(self.nccl_port)]),
             *self.device_args,
             *self.args,
         ]
 
-    def start(self, timeout: float = 600.0) -> SglangServer:
+    def start(self, timeout: float = 600.0, attempts: int = 3) -> SglangServer:
+        """Launch and wait until /health_generate answers; a port lost to another process before the
+        server bound it costs a restart on a new port, not a failure (`attempts` launches at most)."""
+        for attempt in range(1, attempts + 1):
+            if self._launch(timeout):
+                return self
+            if attempt < attempts:
+                self._choose_ports()
+        raise ServerFailed(f"the HTTP port was taken before the server could bind it, {attempts} times")
+
+    def _launch(self, timeout: float) -> bool:
+        """True once healthy; False if the port was taken (server stopped); raises on any other failure."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
         self.proc = subprocess.Popen(
@@ -111,16 +163,27 @@ class SglangServer:
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if any(sign in self._log_end().lower() for sign in _PORT_TAKEN):
+                self.stop()
+                return False
             if self.proc.poll() is not None:
                 raise ServerFailed(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
-                    return self
+                    return True
             except requests.RequestException:
                 pass
             time.sleep(1.0)
         self.stop()
         raise ServerFailed(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def _log_end(self, size: int = 16384) -> str:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - size))
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+
+from sglang_dart.server_process import SglangServer
 
 pytestmark = pytest.mark.server
 
@@ -92,3 +95,20 @@ def test_frontend_program(tiny_server):
     state = complete.run(prefix="def add(a, b):", backend=backend)
     direct = _greedy(tiny_server, "def add(a, b):", 12)
     assert state["answer"] == direct["text"]
+
+
+def test_server_starts_again_when_its_port_is_taken(tiny_llama_dir, server_logs):
+    """The HTTP port can be taken between its choice and uvicorn's bind, which then leaves the server neither
+    serving nor exiting: start() must see it and start again on another port, not wait out its timeout."""
+    server = SglangServer(tiny_llama_dir, ["--dtype", "float32"], server_logs / "port-taken.log")
+    taken = server.port
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", taken))
+        blocker.listen()
+        server.start(timeout=300)
+    try:
+        assert server.port != taken
+        assert server.healthy()
+        assert len(server.greedy_ids([1, 2, 3], 4)) == 4
+    finally:
+        server.stop()
