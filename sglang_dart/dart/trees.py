@@ -18,11 +18,10 @@ from sglang.srt.speculative import ngram_worker as ngram
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
-from sglang_dart.attention.tree_attention import upload
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import Progress, RequestProgress
 from sglang_dart.dart.sampling import node_paths
-from sglang_dart.dart.verify_mask import full_verify_mask
+from sglang_dart.dart.verify_mask import verify_inputs
 from sglang_dart.drafter import DartDrafter
 from sglang_dart.ngram import NgramStore
 from sglang_dart.pruner import PrunedTrees, PrunerConfig, prune_batch
@@ -138,20 +137,20 @@ class Trees:
             trees = self.build(batch, size)
         tokens, mask = trees.tokens.reshape(-1), trees.tree_mask.reshape(-1)
         # SGLang's tree walk reads each node's first child and next sibling; the pruner's parents give them
-        # on the host, uploaded with the tokens and depths in one transfer (not re-derived from the
-        # ancestor masks on the device, as NGRAM, which has no parents, must).
+        # on the host (not re-derived from the ancestor masks on the device, as NGRAM, which has no parents,
+        # must). They travel with the tokens, depths and masks in one upload (verify_mask.py).
         first_child, next_sibling = tree_links(trees.parents)
         index = np.arange(bs * size, dtype=np.int64).reshape(bs, size)
-        host = np.stack([trees.tokens, trees.depth.astype(np.int64), index, first_child, next_sibling])
-        draft_tokens, depth, *retrieve = upload(torch.from_numpy(host), self.device).unbind(0)
+        links = np.stack([trees.tokens, trees.depth.astype(np.int64), index, first_child, next_sibling])
+        self.host = HostTrees(mask, tokens, first_child, next_sibling)
+        # CUDA's attention backends read NGRAM's flat mask, the CPU one the tree masks as they are.
+        full = ngram.USE_FULL_MASK and not ngram._is_cpu
+        prefix_lens = batch.seq_lens_cpu.numpy() if full else None
+        on_device = verify_inputs(links, trees.tree_mask, prefix_lens, self.device)
+        draft_tokens, depth, *retrieve = on_device.links.unbind(0)
         draft_tokens = draft_tokens.reshape(-1)
         positions = (batch.seq_lens.to(torch.int64).unsqueeze(1) + depth).reshape(-1)
-        tree_mask = upload(torch.from_numpy(mask), self.device)
-        self.host = HostTrees(mask, tokens, first_child, next_sibling)
-        if ngram.USE_FULL_MASK and not ngram._is_cpu:
-            custom_mask = full_verify_mask(mask.reshape(bs, size, size), batch.seq_lens_cpu, self.device)
-        else:
-            custom_mask = tree_mask
+        custom_mask = on_device.custom_mask
 
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = draft_tokens

@@ -1,33 +1,100 @@
-"""The flat verify mask FlashInfer/Triton read on CUDA (NGRAM's layout): for each request in turn a row-major
-[size, prefix + size] block, prefix columns all visible, then the request's own [size, size] tree mask.
+"""The verify step's host-built inputs in ONE upload, and the flat verify mask FlashInfer/Triton read on
+CUDA (NGRAM's layout: for each request in turn a row-major [size, prefix + size] block, prefix columns all
+visible, then the request's own [size, size] tree mask).
 
-Built with one scatter for the whole batch: a per-request loop costs two small host-to-device copies and a
-concatenation per request, which grows with the batch (SGLang's NGRAM worker notes the same overhead)."""
+Everything the trees give the device (tokens, depths, the tree walk's links, the tree masks and, for the
+CUDA layout, where each mask entry goes in the flat mask) travels in one int64 buffer, through pinned
+memory on CUDA (`upload`). A copy from pageable memory would wait for the device to finish the work queued
+before it, a host sync in the middle of the step. The flat mask is then one fill and one scatter, for the
+whole batch: SGLang's NGRAM worker loops per request, two copies and a concatenation each."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from sglang_dart.attention.tree_attention import upload
 
-def full_verify_mask(
-    tree_masks: np.ndarray, prefix_lens: torch.Tensor, device: torch.device | str
-) -> torch.Tensor:
-    """tree_masks: [bs, size, size] bool (node i may see node j); prefix_lens: [bs] committed KV lengths
-    (on the host). Returns the flat bool mask on `device`."""
-    bs, size, _ = tree_masks.shape
-    prefix = prefix_lens.to(torch.int64).cpu()
+_WORD = 8  # bytes per int64: the masks travel as bytes packed into whole words
+
+
+class VerifyInputs(NamedTuple):
+    """The verify's inputs on the device: `links` [5, bs, size] int64 (tokens, depths, retrieve index,
+    first child, next sibling) and the custom mask (the flat CUDA layout, or the [bs * size * size] tree
+    masks where the attention reads them as they are)."""
+
+    links: torch.Tensor
+    custom_mask: torch.Tensor
+
+
+def full_mask_positions(prefix_lens: np.ndarray, size: int) -> tuple[np.ndarray, int]:
+    """Where entry [i, r, c] of the tree masks goes in the flat CUDA mask ([bs * size * size] int64), and
+    the flat mask's length. prefix_lens: [bs] committed KV lengths."""
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    bs = prefix.shape[0]
     row_len = prefix + size
     block = size * row_len
-    starts = torch.cumsum(block, 0) - block
-    rows = torch.arange(size, dtype=torch.int64)
+    starts = np.cumsum(block) - block
+    rows = np.arange(size, dtype=np.int64)
     # Column c of tree row r of request i sits at starts[i] + r * row_len[i] + prefix[i] + c.
-    tree_at = (
-        (starts + prefix).view(bs, 1, 1)
-        + rows.view(1, size, 1) * row_len.view(bs, 1, 1)
-        + rows.view(1, 1, size)
+    at = (
+        (starts + prefix).reshape(bs, 1, 1)
+        + rows.reshape(1, size, 1) * row_len.reshape(bs, 1, 1)
+        + rows.reshape(1, 1, size)
     )
-    flat = torch.ones(int(block.sum()), dtype=torch.bool, device=device)
-    tree = torch.from_numpy(np.ascontiguousarray(tree_masks, dtype=bool)).to(device, non_blocking=True)
-    flat[tree_at.reshape(-1).to(device, non_blocking=True)] = tree.reshape(-1)
-    return flat
+    return at.reshape(-1), int(block.sum())
+
+
+def pack(links: np.ndarray, tree_masks: np.ndarray, prefix_lens: np.ndarray | None) -> np.ndarray:
+    """One flat int64 buffer: links [5, bs, size], the tree masks [bs, size, size] as bytes (each row padded
+    to whole words), and with prefix_lens (the CUDA layout) the flat mask positions."""
+    bs, size, _ = tree_masks.shape
+    width = -(-size // _WORD) * _WORD
+    mask_bytes = np.zeros((bs, size, width), dtype=np.uint8)
+    mask_bytes[:, :, :size] = tree_masks
+    pieces = [np.ascontiguousarray(links, dtype=np.int64).reshape(-1), mask_bytes.view(np.int64).reshape(-1)]
+    if prefix_lens is not None:
+        pieces.append(full_mask_positions(prefix_lens, size)[0])
+    return np.concatenate(pieces)
+
+
+def unpack(flat: torch.Tensor, bs: int, size: int, full_length: int | None) -> VerifyInputs:
+    """The device views of `pack`'s buffer (uploaded as `flat`); full_length: the flat CUDA mask's length,
+    or None for the tree masks alone."""
+    width = -(-size // _WORD) * _WORD
+    n_links = 5 * bs * size
+    n_mask = bs * size * width // _WORD
+    links = flat[:n_links].view(5, bs, size)
+    tree = flat[n_links : n_links + n_mask].view(torch.uint8).view(bs, size, width)[:, :, :size].bool()
+    if full_length is None:
+        return VerifyInputs(links, tree.reshape(-1))
+    positions = flat[n_links + n_mask :]
+    mask = torch.ones(full_length, dtype=torch.bool, device=flat.device)
+    mask[positions] = tree.reshape(-1)
+    return VerifyInputs(links, mask)
+
+
+def verify_inputs(
+    links: np.ndarray,
+    tree_masks: np.ndarray,
+    prefix_lens: np.ndarray | None,
+    device: torch.device | str,
+) -> VerifyInputs:
+    """`pack`, one upload, `unpack`. prefix_lens (on the host) asks for the flat CUDA mask."""
+    bs, size, _ = tree_masks.shape
+    full_length = None
+    if prefix_lens is not None:
+        full_length = int(size * (np.asarray(prefix_lens, dtype=np.int64).sum() + bs * size))
+    flat = upload(torch.from_numpy(pack(links, tree_masks, prefix_lens)), device)
+    return unpack(flat, bs, size, full_length)
+
+
+def full_verify_mask(
+    tree_masks: np.ndarray, prefix_lens: np.ndarray, device: torch.device | str
+) -> torch.Tensor:
+    """The flat CUDA mask alone (tree_masks [bs, size, size] bool, prefix_lens [bs]), on `device`."""
+    bs, size, _ = tree_masks.shape
+    links = np.zeros((5, bs, size), dtype=np.int64)
+    return verify_inputs(links, tree_masks, prefix_lens, device).custom_mask

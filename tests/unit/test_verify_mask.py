@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglang_dart.attention.tree_attention import make_plan
-from sglang_dart.dart.verify_mask import full_verify_mask
+from sglang_dart.dart.verify_mask import full_verify_mask, verify_inputs
 
 
 def _random_trees(bs: int, size: int, seed: int) -> np.ndarray:
@@ -56,3 +56,37 @@ def test_the_attention_reads_the_tree_back():
     assert torch.equal(from_full.mask, from_tree.mask)
     # A node sees its ancestors only, never a sibling branch.
     assert not bool(from_full.mask.all())
+
+
+@pytest.mark.parametrize("size", [1, 5, 8, 9, 16, 61])
+@pytest.mark.parametrize("full", [False, True])
+def test_one_buffer_carries_links_and_masks(size, full):
+    """pack / unpack: the links and the tree masks come back as they went, for tree sizes that do and do
+    not fill whole 8-byte words; with prefix lengths, the mask comes back in the flat CUDA layout."""
+    prefix_lens = [3, 40, 0]
+    trees = _random_trees(len(prefix_lens), size, seed=size)
+    links = np.random.default_rng(size).integers(-1, 50_000, size=(5, len(prefix_lens), size))
+    prefix = np.asarray(prefix_lens) if full else None
+    got = verify_inputs(links, trees, prefix, "cpu")
+    assert torch.equal(got.links, torch.from_numpy(links))
+    want = _block_by_block(trees, prefix_lens) if full else torch.from_numpy(trees).reshape(-1)
+    assert got.custom_mask.dtype == torch.bool and torch.equal(got.custom_mask, want)
+
+
+def test_the_device_side_needs_nothing_from_the_host_but_the_one_buffer(monkeypatch):
+    """Everything after the upload is derived on the device: with the buffer 'uploaded' to the meta
+    device, any host tensor mixed in would raise."""
+    import sglang_dart.dart.verify_mask as verify_mask
+
+    uploads = []
+
+    def to_meta(host: torch.Tensor, device: object) -> torch.Tensor:
+        uploads.append(host.numel())
+        return host.to("meta")
+
+    monkeypatch.setattr(verify_mask, "upload", to_meta)
+    trees = _random_trees(4, 8, seed=1)
+    got = verify_inputs(np.zeros((5, 4, 8), dtype=np.int64), trees, np.array([5, 6, 7, 8]), "meta")
+    assert len(uploads) == 1
+    assert got.links.device.type == "meta" and got.custom_mask.device.type == "meta"
+    assert got.custom_mask.shape == (8 * (5 + 6 + 7 + 8 + 4 * 8),)
