@@ -249,7 +249,20 @@ def _greedy_and_timings(
             report["timings"] = timings
             _save(args, report)
     finally:
+        dart = {name: server for name, server in servers.items() if name.startswith("dart")}
+        report["draft_graphs"] = {name: _draft_graphs_seen(server) for name, server in dart.items()}
         _stop(servers)
+
+
+def _draft_graphs_seen(server: SglangServer) -> dict:
+    """What a DART server's log says of its draft graphs: the start-up line, and the captures serving
+    paid for (shapes the start-up rehearsal did not cover) or a capture that failed."""
+    lines = server.log_text().splitlines()
+    return {
+        "startup": next((line for line in lines if "DART: draft step graphs" in line), None),
+        "captured_while_serving": sum("captured while serving" in line for line in lines),
+        "failed": [line for line in lines if "graph failed" in line or "before serving failed" in line],
+    }
 
 
 def _each(servers: dict[str, SglangServer], report: dict, work):  # noqa: ANN001, ANN202

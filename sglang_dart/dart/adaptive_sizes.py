@@ -124,6 +124,10 @@ class AdaptiveTreeSizes:
         """The sizes measured for the bucket whose smallest batch size this is."""
         return self.sizes
 
+    def possible_sizes(self, batch_size: int) -> tuple[int, ...]:
+        """Every size a step of this batch size may verify: its bucket's candidates (nothing is counted)."""
+        return tuple(sorted(set(self.candidates(1 << bucket_of(batch_size)))))
+
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
         if key not in self._buckets:

@@ -3,7 +3,8 @@
 On a GPU the draft forward after a verify is host-bound: about a hundred small kernels, each launched from
 Python (H200 run 5: 2.8 ms of a 5.9 ms batch-1 step, where plain decoding's whole step is 1.5 ms). Its
 shapes depend on the batch and tree sizes alone (`draft_block`), so each piece is captured once per shape
-and then replayed: one launch instead of many.
+and then replayed: one launch instead of many. The worker captures the likely shapes before serving
+(`Drafting.capture_ahead`); any other is captured at its first use, which stalls that step.
 
 Contract of a captured function `fn(*inputs) -> outputs`: it runs on the device alone (no host read, no
 host-built tensor, no allocation that outlives it but its outputs), its inputs are device tensors whose
@@ -66,6 +67,9 @@ class DeviceGraphs:
         self._pool: Any = None
         self._stream: Any = None  # the capture stream, made at the first capture
         self._outputs: dict[tuple[Any, ...], torch.Tensor] = {}  # `_shared_views`
+        # Set once the shapes known before serving are captured: a capture after that stalls a step (an
+        # eager run and a device sync), so each one is logged.
+        self.serving = False
 
     def run(self, name: str, fn: Callable[..., Outputs], inputs: Inputs, batch: int) -> Outputs:
         if not self.enabled or (self.max_batch is not None and batch > self.max_batch):
@@ -81,6 +85,14 @@ class DeviceGraphs:
                 self._give_up(name, exc)
                 return fn(*inputs)
             self.graphs[key] = captured
+            if self.serving:
+                logger.info(
+                    "DART: draft graph %s captured while serving, batch %d, inputs %s (%d graphs)",
+                    name,
+                    batch,
+                    [tuple(x.shape) for x in inputs],
+                    len(self.graphs),
+                )
         for buffer, x in zip(captured.inputs, inputs, strict=True):
             buffer.copy_(x, non_blocking=True)
         captured.replay()

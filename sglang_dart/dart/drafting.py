@@ -241,6 +241,34 @@ class DraftForward:
         return logits.view(bs, d + 1, -1)
 
     @torch.no_grad()
+    def rehearse(
+        self,
+        bs: int,
+        size: int,
+        depths: int | None,
+        taps: tuple[int, torch.dtype],
+        finish: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> None:
+        """One draft step after a verify of `size` nodes per request (then drafting `depths` deep, or not
+        at all), on made-up inputs shaped and typed as a verify's (`Drafting.after_verify`), so that its
+        pieces' graphs are captured before serving. Run before any request: its writes go to request-table
+        row 0, the scratch slots and the junk row (every path is empty), none of which holds anything yet.
+        taps: the width and dtype of the target's taps."""
+        device = self.device
+        rows = torch.zeros(bs, dtype=torch.int64, device=device)  # as SGLang's req_pool_indices
+        committed = torch.ones(bs, dtype=torch.int64, device=device)  # as SGLang's seq_lens
+        path_nodes = torch.full((bs, size), -1, dtype=torch.int32, device=device)  # as its accept_index
+        accept_lens = torch.zeros(bs, dtype=torch.int32, device=device)
+        predict = torch.zeros(bs * size, dtype=torch.int32, device=device)
+        roots = torch.zeros(bs, dtype=torch.int64, device=device)  # as the verify's draft tokens
+        hidden = torch.zeros(bs * size, taps[0], dtype=taps[1], device=device)
+        self.store_path_residuals(rows, committed, path_nodes, accept_lens, hidden)
+        if depths is not None:
+            self.block_step(
+                rows, [1] * bs, committed, path_nodes, accept_lens, predict, roots, depths, finish
+            )
+
+    @torch.no_grad()
     def store_path_residuals(
         self,
         rows: torch.Tensor,
@@ -468,6 +496,19 @@ class Drafting:
             logits = runner.step(rows, firsts, lasts, nexts)
         self.trees.keep(batch.reqs, logits, [self.progress.of(req) for req in batch.reqs])
 
+    def capture_ahead(
+        self, possible_sizes: Callable[[int], tuple[int, ...]], max_batch: int, taps: tuple[int, torch.dtype]
+    ) -> int:
+        """Capture the draft step's graphs for the shapes serving will meet (`shapes_to_capture`), most
+        likely first, up to half the graph budget (the rest is captured at first use): before serving, so
+        that no step pays a capture. Returns how many graphs there are."""
+        graphs = self.forward.graphs
+        for bs, size, depths in shapes_to_capture(possible_sizes, max_batch):
+            if not graphs.enabled or len(graphs.graphs) >= graphs.max_graphs // 2:
+                break
+            self.forward.rehearse(bs, size, depths, taps, self.trees.candidates_of)
+        return len(graphs.graphs)
+
     def after_verify(
         self,
         batch: Any,
@@ -486,7 +527,9 @@ class Drafting:
         committed = [p.committed for p in now]
         rows_d = _rows_on_device(batch, rows, step.roots.device)
         bs = len(rows)
-        path_nodes = _longest_paths_on_cpu(step.accept_index.view(bs, -1), step.accept_lens)
+        path_nodes = step.accept_index.view(bs, -1)
+        if not runner.graphs.enabled:  # graphs (emulated ones too) need one shape per tree size
+            path_nodes = _longest_paths_on_cpu(path_nodes, step.accept_lens)
         candidates = None
         drafting_seconds = 0.0
         with self.timer.phase("draft"):
@@ -648,6 +691,28 @@ class VerifiedHost:
     def new_tokens(self, i: int) -> list[int]:
         """Request i's accepted drafts and its bonus token: the target's token after each path node."""
         return [self.predict[node] for node in self.paths[i]]
+
+
+def shapes_to_capture(
+    possible_sizes: Callable[[int], tuple[int, ...]], max_batch: int
+) -> list[tuple[int, int, int | None]]:
+    """(batch, verified tree size, draft depths or None) of the draft steps after a verify that batches up
+    to max_batch can run, most likely first. A step drafts for a size its own batch may plan (depths =
+    size - 1; none for the root alone). It verifies the size planned one step earlier, for a batch as large
+    or larger (requests leave between steps, none join without a prefill, which plans afresh), or the root
+    alone (a request without candidates). Most likely: verifying what it plans."""
+    likely: list[tuple[int, int, int | None]] = []
+    rest: list[tuple[int, int, int | None]] = []
+    verified_from = [{1}] * (max_batch + 2)  # verified_from[bs]: sizes planned for batches >= bs, and 1
+    for bs in range(max_batch, 0, -1):
+        verified_from[bs] = verified_from[bs + 1].union(possible_sizes(bs))
+    for bs in range(1, max_batch + 1):
+        verified = verified_from[bs]
+        for planned in sorted(possible_sizes(bs), reverse=True):
+            depths = planned - 1 if planned > 1 else None
+            likely.append((bs, planned, depths))
+            rest.extend((bs, size, depths) for size in sorted(verified - {planned}, reverse=True))
+    return likely + rest
 
 
 def _longest_paths_on_cpu(path_nodes: torch.Tensor, accept_lens: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,10 @@ class TreeSizeSchedule:
     def size_for(self, batch_size: int) -> int:
         return self.sizes[bisect.bisect_right(self.min_batches, max(batch_size, 1)) - 1]
 
+    def possible_sizes(self, batch_size: int) -> tuple[int, ...]:
+        """Every size a step of this batch size may verify (no side effect, unlike an adaptive size_for)."""
+        return (self.size_for(batch_size),)
+
     @property
     def max_size(self) -> int:
         return max(self.sizes)

@@ -262,8 +262,9 @@ class DartWorker(NGRAMWorker):
     def init_cuda_graphs(self) -> None:
         """The target's verify graphs are SGLang's own (`gpu_contracts`), captured before this. The draft
         step after a verify has a shape fixed by the batch and tree sizes alone (`draft_block`): where
-        SGLang runs graphs, its pieces are captured per shape at first use, up to SGLang's largest graph
-        batch (`device_graphs`), unless `draft_graphs_choice` says otherwise."""
+        SGLang runs graphs, its pieces are captured per shape up to SGLang's largest graph batch
+        (`device_graphs`), unless `draft_graphs_choice` says otherwise: the shapes the tree schedule makes
+        likely now, before serving, any other at first use."""
         if self.drafting is None:
             return
         runner = getattr(self.model_runner, "decode_cuda_graph_runner", None)
@@ -273,9 +274,25 @@ class DartWorker(NGRAMWorker):
         max_batch = getattr(runner, "max_bs", None)
         graphs = DeviceGraphs(torch.device(self.device), enabled, max_batch=max_batch, emulate=emulate)
         self.drafting.forward.graphs = graphs
+        if not enabled:
+            logger.info("DART: draft step graphs off")
+            return
+        started = time.perf_counter()
+        rows = self.drafting.forward.req_to_token.shape[0]  # request-table rows: no batch is larger
+        largest = min(max_batch or self.server_args.max_running_requests or rows, rows)
+        taps = (self.drafter.fc.weight.shape[1], self.model_runner.dtype)
+        try:
+            count = self.drafting.capture_ahead(self.tree_sizes.possible_sizes, largest, taps)
+        except Exception:  # noqa: BLE001 - a rehearsal that fails leaves the shapes to first use
+            logger.exception("DART: capturing the draft step's graphs before serving failed")
+            count = len(graphs.graphs)
+        graphs.serving = True
         logger.info(
-            "DART: draft step graphs %s",
-            ("emulated" if emulate else f"captured at first use, batch <= {max_batch}") if enabled else "off",
+            "DART: draft step graphs %s, batch <= %d: %d before serving (%.1f s), others at first use",
+            "emulated" if emulate else "captured",
+            largest,
+            count,
+            time.perf_counter() - started,
         )
 
     def _init_preallocated_tensors(self) -> None:
@@ -543,11 +560,12 @@ class DartWorker(NGRAMWorker):
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
         if on_publish is not None:
             on_publish(new_seq_lens)
-        index = torch.arange(bs, dtype=torch.int64, device=self.device)
+        # Typed as a verify's results: the draft step's graphs are captured per input shape and dtype.
+        index = torch.arange(bs, dtype=torch.int32, device=self.device)
         verified_step = VerifiedStep(
             committed=committed,
             roots=roots_d,
-            predict=next_token_ids,
+            predict=next_token_ids.to(torch.int32),
             accept_lens=accept_lens,
             accept_index=index.view(bs, 1),
         )

@@ -309,3 +309,15 @@ def test_the_cpu_default_is_guarded_and_an_explicit_schedule_is_not(tmp_path, mo
     # CUDA keeps the fixed width its verify graphs are captured for.
     cuda = SimpleNamespace(**{**vars(args), "device": "cuda"})
     assert tree_size_schedule(cuda) == TreeSizeSchedule.fixed(8)
+
+
+def test_possible_sizes_name_every_candidate_and_count_nothing():
+    """What a step of a batch size may verify (the draft graphs captured before serving cover them),
+    asked without moving the schedule: its bucket's candidates, and no step counted."""
+    auto = AdaptiveTreeSizes(16)
+    assert auto.possible_sizes(1) == (1, 2, 4, 8, 16) == auto.possible_sizes(40)
+    guarded = GuardedTreeSizes(TreeSizeSchedule.parse("1:8,4:4,16:1", 16))
+    assert [guarded.possible_sizes(b) for b in (1, 3, 4, 7, 8, 16, 40)] == [
+        (1, 8), (1, 8), (1, 4), (1, 4), (1, 4), (1,), (1,)
+    ]  # fmt: skip
+    assert not guarded._buckets  # nothing was asked of a bucket

@@ -14,9 +14,10 @@ from transformers import LlamaConfig
 from sglang_dart.cpu.attention import TreeVerifyCpuAttnBackend
 from sglang_dart.dart import drafting as drafting_module
 from sglang_dart.dart.device_graphs import DeviceGraphs
-from sglang_dart.dart.drafting import FLUSH_GAP, Drafting, VerifiedStep
+from sglang_dart.dart.drafting import FLUSH_GAP, Drafting, VerifiedStep, shapes_to_capture
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import RequestProgress
+from sglang_dart.dart.tree_sizes import TreeSizeSchedule
 from sglang_dart.drafter import DraftConfigError, load_drafter
 from sglang_dart.drafter.model import read_weights
 from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
@@ -470,3 +471,75 @@ def test_drafting_after_a_verify_on_an_accelerator_reads_nothing_back(tmp_path):
     unsettled = drafting.after_verify(batch, torch.zeros(8, 3 * H, **meta), step, depths=3)
     assert unsettled.depths == 3 and unsettled.path_width == 4  # an accelerator's blocks: whole trees
     assert unsettled.candidates_shape == (2, 2, 3, 1)
+
+
+def test_shapes_to_capture_cover_what_a_schedule_can_run():
+    """Verifying the planned size comes first, for every batch size; then a size planned for a larger
+    batch (requests left since) and the root alone; a batch whose plan is the root drafts nothing."""
+    schedule = TreeSizeSchedule.parse("1:8,3:4,5:1", 8)
+    shapes = shapes_to_capture(schedule.possible_sizes, 6)
+    assert shapes[:6] == [(1, 8, 7), (2, 8, 7), (3, 4, 3), (4, 4, 3), (5, 1, None), (6, 1, None)]
+    assert set(shapes[6:]) == {(1, 4, 7), (1, 1, 7), (2, 4, 7), (2, 1, 7), (3, 1, 3), (4, 1, 3)}
+    fixed = shapes_to_capture(TreeSizeSchedule.fixed(16).possible_sizes, 3)
+    assert fixed == [(1, 16, 15), (2, 16, 15), (3, 16, 15), (1, 1, 15), (2, 1, 15), (3, 1, 15)]
+
+
+def test_graphs_captured_before_serving_are_the_ones_serving_replays(tmp_path):
+    """Drafting rehearsed on made-up inputs before any request (`capture_ahead`) captures the graphs that
+    verifies of the planned tree size then replay: steps typed as SGLang's verify results capture nothing
+    more, and their drafts are the single-request drafter's (the rehearsals wrote only where nothing
+    lives)."""
+    path = _write_checkpoint(tmp_path / "draft")
+    drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    max_len, num_slots, size = 50, 400, 4
+    req_to_token = torch.zeros(4, max_len, dtype=torch.int32)
+    perm = (torch.randperm(num_slots - 1, generator=gen) + 1).to(torch.int32)
+    rows = [3, 1]
+    for i, row in enumerate(rows):
+        req_to_token[row] = perm[i * max_len : (i + 1) * max_len]
+    runner = _draft_forward(path, req_to_token, num_slots)
+    runner.graphs = DeviceGraphs(torch.device("cpu"), True, emulate=True)
+    trees = _KeptTrees()
+    drafting = Drafting(runner, trees, RequestProgress(), PhaseTimer(enabled=False))
+    count = drafting.capture_ahead(TreeSizeSchedule.fixed(size).possible_sizes, 2, (3 * H, torch.float32))
+    assert count == 2 * 3 + 2 * 3  # per batch size: residuals, inputs and head, verifying 4 nodes or 1
+
+    reqs = [SimpleNamespace(rid=f"r{i}") for i in range(2)]
+    tokens = [torch.randint(0, V, (max_len + 1,), generator=gen).tolist() for _ in reqs]
+    aux = [torch.randn(max_len, 3 * H, generator=gen) for _ in reqs]
+    prompts = [6, 4]
+    for req, toks, n in zip(reqs, tokens, prompts, strict=True):
+        req.origin_input_ids, req.output_ids = toks[:n], []
+    batch = SimpleNamespace(
+        reqs=reqs, req_pool_indices_cpu=torch.tensor(rows), prefix_lens=[0, 0], extend_lens=prompts
+    )
+    sampled = torch.tensor([toks[n] for toks, n in zip(tokens, prompts, strict=True)])
+    drafting.after_extend(batch, torch.cat([a[:n] for a, n in zip(aux, prompts, strict=True)]), sampled)
+    committed = list(prompts)
+    batch = SimpleNamespace(reqs=reqs, req_pool_indices_cpu=torch.tensor(rows))
+    for accepted in ([2, 1], [4, 3], [1, 1], [3, 4]):
+        predict = torch.randint(0, V, (2 * size,), generator=gen, dtype=torch.int32)
+        taps = torch.randn(2 * size, 3 * H, generator=gen)
+        accept_index = torch.full((2, size), -1, dtype=torch.int32)
+        for i, n in enumerate(accepted):  # a chain: nodes 0 .. n - 1
+            accept_index[i, :n] = torch.arange(i * size, i * size + n, dtype=torch.int32)
+            for k in range(n):
+                predict[i * size + k] = tokens[i][committed[i] + k + 1]
+                taps[i * size + k] = aux[i][committed[i] + k]
+        step = VerifiedStep(
+            committed=torch.tensor(committed),
+            roots=torch.tensor([tokens[i][committed[i]] for i in range(2)]),
+            predict=predict,
+            accept_lens=torch.tensor(accepted, dtype=torch.int32),
+            accept_index=accept_index,
+        )
+        drafting.settle(drafting.after_verify(batch, taps, step, size - 1))
+        committed = [c + n for c, n in zip(committed, accepted, strict=True)]
+        for i in range(2):
+            with torch.no_grad():
+                expected = drafter(
+                    aux[i][: committed[i]], torch.tensor(tokens[i][1 : committed[i] + 1]), start_pos=0
+                ).logits
+            torch.testing.assert_close(trees.logits[i], expected[: size - 1], atol=1e-4, rtol=1e-4)
+    assert len(runner.graphs.graphs) == count
