@@ -118,6 +118,7 @@ class SglangServer:
         self.log_path = Path(log_path)
         self._choose_ports()
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0  # where the current launch's output starts in the log
 
     def _choose_ports(self) -> None:
         self.port = free_port()
@@ -147,16 +148,18 @@ class SglangServer:
         """Launch and wait until /health_generate answers; a port lost to another process before the
         server bound it costs a restart on a new port, not a failure (`attempts` launches at most)."""
         for attempt in range(1, attempts + 1):
-            if self._launch(timeout):
+            if self._launch(timeout, append=attempt > 1):
                 return self
             if attempt < attempts:
                 self._choose_ports()
         raise ServerFailed(f"the HTTP port was taken before the server could bind it, {attempts} times")
 
-    def _launch(self, timeout: float) -> bool:
-        """True once healthy; False if the port was taken (server stopped); raises on any other failure."""
+    def _launch(self, timeout: float, append: bool) -> bool:
+        """True once healthy; False if the port was taken (server stopped); raises on any other failure.
+        append: a restart's log follows the failed launch's in the same file."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        log = open(self.log_path, "ab" if append else "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        self._log_start = log.tell()
         self.proc = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
         )
@@ -178,9 +181,10 @@ class SglangServer:
         raise ServerFailed(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
     def _log_end(self, size: int = 16384) -> str:
+        """The end of this launch's part of the log."""
         try:
             with open(self.log_path, "rb") as log:
-                log.seek(max(0, log.seek(0, os.SEEK_END) - size))
+                log.seek(max(self._log_start, log.seek(0, os.SEEK_END) - size))
                 return log.read().decode(errors="replace")
         except OSError:
             return ""
