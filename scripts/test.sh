@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 cargo test --workspace --release
-.venv/bin/python -m pytest -q tests "$@"
+# The slowest tests are listed at the end: CI time is budgeted (60 min), and this shows where it goes.
+.venv/bin/python -m pytest -q --durations=15 tests "$@"
