@@ -47,23 +47,32 @@ def full_mask_positions(prefix_lens: np.ndarray, size: int) -> tuple[np.ndarray,
     return at.reshape(-1), int(block.sum())
 
 
-def pack(links: np.ndarray, tree_masks: np.ndarray, prefix_lens: np.ndarray | None) -> np.ndarray:
+def _mask_row_bytes(size: int) -> int:
+    """Bytes a tree-mask row takes in the buffer: `size`, padded to whole words."""
+    return -(-size // _WORD) * _WORD
+
+
+def pack(
+    links: np.ndarray, tree_masks: np.ndarray, prefix_lens: np.ndarray | None
+) -> tuple[np.ndarray, int | None]:
     """One flat int64 buffer: links [5, bs, size], the tree masks [bs, size, size] as bytes (each row padded
-    to whole words), and with prefix_lens (the CUDA layout) the flat mask positions."""
+    to whole words), and with prefix_lens (the CUDA layout) the flat mask positions; and the flat mask's
+    length (None without prefix_lens)."""
     bs, size, _ = tree_masks.shape
-    width = -(-size // _WORD) * _WORD
-    mask_bytes = np.zeros((bs, size, width), dtype=np.uint8)
+    mask_bytes = np.zeros((bs, size, _mask_row_bytes(size)), dtype=np.uint8)
     mask_bytes[:, :, :size] = tree_masks
     pieces = [np.ascontiguousarray(links, dtype=np.int64).reshape(-1), mask_bytes.view(np.int64).reshape(-1)]
+    full_length = None
     if prefix_lens is not None:
-        pieces.append(full_mask_positions(prefix_lens, size)[0])
-    return np.concatenate(pieces)
+        positions, full_length = full_mask_positions(prefix_lens, size)
+        pieces.append(positions)
+    return np.concatenate(pieces), full_length
 
 
 def unpack(flat: torch.Tensor, bs: int, size: int, full_length: int | None) -> VerifyInputs:
     """The device views of `pack`'s buffer (uploaded as `flat`); full_length: the flat CUDA mask's length,
     or None for the tree masks alone."""
-    width = -(-size // _WORD) * _WORD
+    width = _mask_row_bytes(size)
     n_links = 5 * bs * size
     n_mask = bs * size * width // _WORD
     links = flat[:n_links].view(5, bs, size)
@@ -84,11 +93,8 @@ def verify_inputs(
 ) -> VerifyInputs:
     """`pack`, one upload, `unpack`. prefix_lens (on the host) asks for the flat CUDA mask."""
     bs, size, _ = tree_masks.shape
-    full_length = None
-    if prefix_lens is not None:
-        full_length = int(size * (np.asarray(prefix_lens, dtype=np.int64).sum() + bs * size))
-    flat = upload(torch.from_numpy(pack(links, tree_masks, prefix_lens)), device)
-    return unpack(flat, bs, size, full_length)
+    host, full_length = pack(links, tree_masks, prefix_lens)
+    return unpack(upload(torch.from_numpy(host), device), bs, size, full_length)
 
 
 def full_verify_mask(
