@@ -3,8 +3,8 @@ drafter and 3-gram store shipped in the package, stream one answer as it is gene
 prompt with plain decoding and report, from this run: tokens per second of both, DART's tokens per verify
 step (τ) and whether the two texts are identical.
 
-Run: `python -m sglang_dart.demo [--prompt TEXT] [--max-tokens N] [--dtype bfloat16|float32] [--plain-only]
-[--draft DIR --store FILE]`.
+Run: `python -m sglang_dart.demo [--prompt TEXT] [--max-tokens N] [--dtype auto|bfloat16|float32]
+[--plain-only] [--draft DIR --store FILE]`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import requests
 
 from sglang_dart.assets import shipped_smollm2_drafter, smollm2_dir
+from sglang_dart.dart.settings import fast_dtype_here
 from sglang_dart.server_process import SglangServer, dart_flags, stop_servers_on_sigterm
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -87,20 +88,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store", type=Path, help="3-gram store (default: the shipped one)")
     parser.add_argument(
         "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float32"],
-        help="bfloat16 (default): the fast dtype on CPUs with bf16 matrix instructions, but a verify step "
-        "rounds near-ties differently from one-token decoding, so the texts may part; float32: greedy DART "
-        "output is the target's, token for token",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto (default): bfloat16 where it is fast (a GPU, or a CPU with AMX or AVX512-BF16), float32 "
+        "elsewhere; bfloat16: a verify step rounds near-ties differently from one-token decoding, so the "
+        "texts may part; float32: greedy DART output is the target's, token for token",
     )
     args = parser.parse_args(argv)
     stop_servers_on_sigterm()
 
-    model = smollm2_dir(args.dtype)
+    dtype = resolve_dtype(args.dtype)
+    model = smollm2_dir(dtype)
     logs = Path(tempfile.mkdtemp(prefix="sglang-dart-demo-"))
     prompt = chat_prompt(model, args.prompt)
-    print(f"model: {model} ({args.dtype})\nserver logs: {logs}\n\n> {args.prompt}\n", flush=True)
-    serve = partial(_serve_and_answer, model, prompt=prompt, max_tokens=args.max_tokens, dtype=args.dtype)
+    print(f"model: {model} ({dtype})\nserver logs: {logs}\n\n> {args.prompt}\n", flush=True)
+    serve = partial(_serve_and_answer, model, prompt=prompt, max_tokens=args.max_tokens, dtype=dtype)
     if args.plain_only:
         plain = serve([], logs / "plain.log", echo=True)
         rate = plain.tokens_per_second
@@ -114,7 +116,16 @@ def main(argv: list[str] | None = None) -> None:
     dart = serve(dart_args, logs / "dart.log", echo=True)
     print("\n\n(now the same prompt with plain decoding, for comparison)", flush=True)
     plain = serve([], logs / "plain.log", echo=False)
-    print(report(dart, plain, args.dtype))
+    print(report(dart, plain, dtype))
+
+
+def resolve_dtype(choice: str) -> str:
+    """`auto`: the dtype this machine decodes fastest in (`settings.fast_dtype`); others as given."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return fast_dtype_here("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _serve_and_answer(

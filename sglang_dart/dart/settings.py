@@ -99,6 +99,20 @@ def cpu_has_avx512_bf16() -> bool:
     return _torch_cpu_check("_is_avx512_bf16_supported")
 
 
+def fast_dtype(device: str, cpu_has_amx: bool, cpu_has_avx512_bf16: bool) -> str:
+    """The dtype a SmolLM2-sized target decodes fastest in: bfloat16 on a GPU or on a CPU with bf16 matrix
+    instructions (AMX or AVX512-BF16); float32 on any other CPU, where bf16 products are emulated and ran
+    3x slower than on an AVX512-BF16 CPU (plain decoding, 14.6 against 46.4 tok/s at batch 2)."""
+    if device != "cpu" or cpu_has_amx or cpu_has_avx512_bf16:
+        return "bfloat16"
+    return "float32"
+
+
+def fast_dtype_here(device: str = "cpu") -> str:
+    """`fast_dtype` for this machine's CPU."""
+    return fast_dtype(device, cpu_has_amx_bf16(), cpu_has_avx512_bf16())
+
+
 def tree_size_schedule(server_args: Any, target_dtype: Any = None) -> TreeSizeSchedule | AdaptiveTreeSizes:
     """Tree size by batch size, capped at --speculative-num-draft-tokens. The default depends on the
     device and, on a CPU, on the target's dtype (`target_dtype`, the loaded model's; None: --dtype)."""

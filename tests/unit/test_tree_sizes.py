@@ -99,6 +99,28 @@ def test_bf16_targets_on_avx512_bf16_cpus_without_amx_get_their_own_default():
     assert default_schedule(CPU_AVX512_BF16, max_size=16).size_for(64) == 4
 
 
+def test_the_fast_dtype_is_bf16_only_where_bf16_products_are_native():
+    assert settings.fast_dtype("cpu", cpu_has_amx=True, cpu_has_avx512_bf16=False) == "bfloat16"
+    assert settings.fast_dtype("cpu", cpu_has_amx=False, cpu_has_avx512_bf16=True) == "bfloat16"
+    assert settings.fast_dtype("cpu", cpu_has_amx=False, cpu_has_avx512_bf16=False) == "float32"  # AVX2 only
+    assert settings.fast_dtype("cuda", cpu_has_amx=False, cpu_has_avx512_bf16=False) == "bfloat16"
+
+
+def test_the_demos_auto_dtype_follows_this_cpu(monkeypatch):
+    from sglang_dart import demo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for amx, avx512_bf16, expected in (
+        (False, False, "float32"),
+        (False, True, "bfloat16"),
+        (True, False, "bfloat16"),
+    ):
+        monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda amx=amx: amx)
+        monkeypatch.setattr(settings, "cpu_has_avx512_bf16", lambda v=avx512_bf16: v)
+        assert demo.resolve_dtype("auto") == expected
+    assert demo.resolve_dtype("float32") == "float32" and demo.resolve_dtype("bfloat16") == "bfloat16"
+
+
 def test_the_loaded_targets_dtype_picks_the_default(tmp_path, monkeypatch):
     monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
     monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda: True)
