@@ -40,6 +40,7 @@ from sglang_dart.dart.tree_sizes import (
     default_schedule_key,
 )
 from sglang_dart.drafter import DraftConfig, DraftConfigError
+from sglang_dart.drafter.config import DART_ARCHITECTURE
 from sglang_dart.pruner import PrunerConfig
 
 DEFAULT_NUM_DRAFT_TOKENS = 16
@@ -192,6 +193,36 @@ def _whole_count(value: Any) -> int | None:
     return count if count >= 0 else None
 
 
+def check_draft_architecture(draft_dir: str | Path) -> None:
+    """SGLang picks the draft's model class by config.json's `architectures`: it must name DART's layer."""
+    architectures = json.loads((Path(draft_dir) / "config.json").read_text()).get("architectures") or []
+    if DART_ARCHITECTURE not in architectures:
+        raise DartArgsError(
+            f"draft checkpoint {draft_dir} names architectures {architectures}; SGLang loads DART's draft "
+            f'layer for "architectures": ["{DART_ARCHITECTURE}"] in config.json (the published name)'
+        )
+
+
+def refuse_what_does_not_fit_the_target(
+    model_path: str, draft: DraftConfig, store_vocab_size: int, store_path: str
+) -> None:
+    """The drafter's and the store's sizes against a local target's config.json, in the launcher: a misfit
+    is named before any weight loads (the scheduler checks the loaded target again, for any target)."""
+    try:
+        target = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):  # a hub id or an unreadable file: left to the scheduler's check
+        return
+    hidden, vocab = target.get("hidden_size"), target.get("vocab_size")
+    if not isinstance(hidden, int) or not isinstance(vocab, int):  # e.g. nested in a text_config
+        return
+    try:
+        draft.check_fits_target(hidden, vocab)
+    except DraftConfigError as exc:
+        raise DartArgsError(f"DART draft checkpoint: {exc}") from exc
+    if store_vocab_size > vocab:
+        raise DartArgsError(f"3-gram store {store_path} has vocabulary {store_vocab_size} > target's {vocab}")
+
+
 def validate_server_args(server_args: Any) -> None:
     """Fill DART's defaults into the stock flags and refuse what DART cannot run with, naming it."""
     from sglang_dart.ngram import NgramFormatError, NgramStore
@@ -208,11 +239,14 @@ def validate_server_args(server_args: Any) -> None:
     if not Path(store_path).is_file():
         raise DartArgsError(f"DART 3-gram store {store_path} does not exist")
     try:
-        NgramStore(store_path)
+        store = NgramStore(store_path)
     except (NgramFormatError, OSError, ValueError) as exc:
         raise DartArgsError(f"DART 3-gram store {store_path} is unusable: {exc}") from exc
+    check_draft_architecture(server_args.speculative_draft_model_path)
+    refuse_what_does_not_fit_the_target(server_args.model_path, draft, store.vocab_size, store_path)
     if server_args.device not in ("cpu", "cuda"):
         raise DartArgsError(f"DART runs on cpu or cuda, not {server_args.device}")
+    draft_graphs_choice()  # a bad value stops the launcher, before any model loads
     gpu_contracts.refuse_chain_only_backends(server_args)
     refuse_split_kv_pools(server_args)
     if server_args.speculative_use_rejection_sampling:

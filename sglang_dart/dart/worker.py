@@ -27,12 +27,10 @@ accepts.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,6 +65,7 @@ from sglang_dart.dart.sampling import (
 from sglang_dart.dart.settings import (
     DartArgsError,
     candidates_per_depth,
+    check_draft_architecture,
     context_nodes,
     draft_graphs_choice,
     pruner_config,
@@ -74,7 +73,7 @@ from sglang_dart.dart.settings import (
 )
 from sglang_dart.dart.trees import Trees
 from sglang_dart.drafter import DraftConfig
-from sglang_dart.drafter.sglang_model import ARCHITECTURE, LlamaForCausalLMDart
+from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 from sglang_dart.ngram import NgramStore, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -187,12 +186,7 @@ class DartWorker(NGRAMWorker):
         # Checked before SGLang reads the directory, for an error that names what does not fit.
         cfg = DraftConfig.from_dir(path)
         cfg.check_fits_target(hidden, vocab)
-        architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
-        if ARCHITECTURE not in architectures:
-            raise DartArgsError(
-                f"draft checkpoint {path} names architectures {architectures}; SGLang loads DART's draft "
-                f'layer for "architectures": ["{ARCHITECTURE}"] in config.json (the published name)'
-            )
+        check_draft_architecture(path)
         prefill_backend, _ = server_args.get_attention_backends()
         # The draft follows the target's context length: its RoPE is computed for any position, so the
         # checkpoint's max_position_embeddings (often below the target's) is no limit.

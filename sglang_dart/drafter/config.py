@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The model class name a DART checkpoint's config.json gives in "architectures" (the published one).
+DART_ARCHITECTURE = "LlamaForCausalLMDart"
+
 
 class DraftConfigError(ValueError):
     """The draft checkpoint is missing, malformed, or does not fit the target model."""

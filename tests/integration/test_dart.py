@@ -28,6 +28,7 @@ from tests.support.dart_serving import (
     dart_server_args,
     run_all,
 )
+from tests.support.launcher_args import refusals
 from tests.support.prompts_many import many_prompts
 
 pytestmark = pytest.mark.server
@@ -308,44 +309,53 @@ def test_root_only_steps_are_plain_decoding(
         server.stop()
 
 
-def _launch_dart(
-    model: Path, draft: Path | None, store: Path | None, extra: list[str] = (), env: dict | None = None
-) -> str:
+def _dart_argv(model: Path, draft: Path | None, store: Path | None, extra: list[str] = ()) -> list[str]:
     args = ["--model-path", str(model), *device_flag(), "--port", str(free_port()), "--dtype", "float32"]
     args += ["--max-total-tokens", "4096", "--speculative-algorithm", "DART", *extra]
     if draft is not None:
         args += ["--speculative-draft-model-path", str(draft)]
     if store is not None:
         args += ["--speculative-ngram-external-corpus-path", str(store)]
-    result = run_launcher(args, timeout=300, env=env)
-    assert result.returncode != 0
-    return result.stdout + result.stderr
+    return args
 
 
 def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_assets, tmp_path):
     draft, store = qwen3_assets
-    assert "--speculative-draft-model-path" in _launch_dart(tiny_qwen3_dir, None, store)
-    assert "--speculative-ngram-external-corpus-path" in _launch_dart(tiny_qwen3_dir, draft, None)
-    assert "does not exist" in _launch_dart(tiny_qwen3_dir, draft, tmp_path / "missing.store")
     corrupt = tmp_path / "corrupt.store"
     corrupt.write_bytes(store.read_bytes()[:100])
-    assert "unusable" in _launch_dart(tiny_qwen3_dir, draft, corrupt)
-    # A drafter trained for another target: hidden size and vocabulary do not fit.
     foreign_draft = build_random_drafter(tmp_path / "smol-draft", smollm2_f32_dir)
-    assert "hidden_size" in _launch_dart(tiny_qwen3_dir, foreign_draft, store)
-    # A drafter whose config.json names another architecture: SGLang would load another model class.
     other_arch = build_random_drafter(tmp_path / "arch", tiny_qwen3_dir, architectures=["LlamaForCausalLM"])
-    assert "LlamaForCausalLMDart" in _launch_dart(tiny_qwen3_dir, other_arch, store)
     # A store built with another tokenizer (SmolLM2's, 49152 ids) for the tiny Qwen3 (512 ids).
     foreign_store = build_store_for(smollm2_f32_dir, tmp_path / "smol.store", texts=["def f(x): return x"])
-    assert "vocabulary" in _launch_dart(tiny_qwen3_dir, draft, foreign_store)
-    assert "--tp-size" in _launch_dart(tiny_qwen3_dir, draft, store, ["--tp-size", "2"])
-    hidden = ["--return-hidden-states-mode", "last"]  # the newer spelling of --enable-return-hidden-states
-    assert "--enable-return-hidden-states" in _launch_dart(tiny_qwen3_dir, draft, store, hidden)
-    workers = ["--tokenizer-worker-num", "2"]  # would start tokenizer processes that cannot resolve DART
-    assert "does not support --tokenizer-worker-num" in _launch_dart(tiny_qwen3_dir, draft, store, workers)
-    graphs = {"SGLANG_DART_DRAFT_GRAPHS": "yes"}
-    assert "SGLANG_DART_DRAFT_GRAPHS" in _launch_dart(tiny_qwen3_dir, draft, store, env=graphs)
+    # One through the real launcher: the refusal reaches the user and the launcher exits, before any
+    # scheduler loads the target.
+    launched = run_launcher(_dart_argv(tiny_qwen3_dir, foreign_draft, store), timeout=300)
+    assert launched.returncode != 0 and "hidden_size" in launched.stdout + launched.stderr
+    assert "Load weight" not in launched.stdout + launched.stderr
+    # The others as the launcher prepares its arguments, in one process (each launch costs ~30 s of imports
+    # on a 2-core machine); the last case is the control that nothing else is wrong.
+    cases = {
+        "--speculative-draft-model-path": (None, store, [], {}),
+        "--speculative-ngram-external-corpus-path": (draft, None, [], {}),
+        "does not exist": (draft, tmp_path / "missing.store", [], {}),
+        "unusable": (draft, corrupt, [], {}),
+        # A drafter trained for another target: hidden size and vocabulary do not fit.
+        "hidden_size": (foreign_draft, store, [], {}),
+        # A drafter whose config.json names another architecture: SGLang would load another model class.
+        "LlamaForCausalLMDart": (other_arch, store, [], {}),
+        "vocabulary": (draft, foreign_store, [], {}),
+        "--tp-size": (draft, store, ["--tp-size", "2"], {}),
+        # The newer spelling of --enable-return-hidden-states.
+        "--enable-return-hidden-states": (draft, store, ["--return-hidden-states-mode", "last"], {}),
+        # It would start tokenizer processes that cannot resolve DART.
+        "does not support --tokenizer-worker-num": (draft, store, ["--tokenizer-worker-num", "2"], {}),
+        "SGLANG_DART_DRAFT_GRAPHS": (draft, store, [], {"SGLANG_DART_DRAFT_GRAPHS": "yes"}),
+    }
+    argvs = [(_dart_argv(tiny_qwen3_dir, d, s, extra), env) for d, s, extra, env in cases.values()]
+    *refused, accepted = refusals([*argvs, (_dart_argv(tiny_qwen3_dir, draft, store), {})])
+    for expected, refusal in zip(cases, refused, strict=True):
+        assert refusal is not None and expected in refusal, (expected, refusal)
+    assert accepted is None
 
 
 def test_chunked_prefill_and_stop_strings(tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs):
