@@ -32,7 +32,7 @@ def test_ngram_greedy_equals_plain_greedy(smollm2_server, smollm2_ngram_server, 
                 prompts,
             )
         )
-    plain = [smollm2_server.greedy_ids(ids, NEW_TOKENS) for ids in prompts]
+        plain = list(pool.map(lambda ids: smollm2_server.greedy_ids(ids, NEW_TOKENS), prompts))
     for prompt, spec, ref in zip(ALL_PROMPTS, speculative, plain, strict=True):
         assert spec["output_ids"] == ref, f"{prompt!r}"
 
