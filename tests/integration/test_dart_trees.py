@@ -184,11 +184,15 @@ def feature_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[d
     penalties would lag by one token behind plain decoding's own definition, which DART follows."""
     flag = ["--enable-custom-logit-processor", *SEED]
     plain = ["--dtype", "float32", "--disable-overlap-schedule"]
-    servers = {}
+    servers = {
+        name: SglangServer(tiny_qwen3_dir, [*args, *flag], server_logs / f"qwen3-{name}-features.log")
+        for name, args in (("plain", plain), ("dart", own_store_assets[2]))
+    }
     try:
-        for name, args in (("plain", plain), ("dart", own_store_assets[2])):
-            log = server_logs / f"qwen3-{name}-features.log"
-            servers[name] = SglangServer(tiny_qwen3_dir, [*args, *flag], log).start()
+        # Started side by side: a start-up is mostly single-threaded imports and loading.
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            for started in [pool.submit(server.start) for server in servers.values()]:
+                started.result()
         yield servers
     finally:
         for server in servers.values():
