@@ -67,9 +67,10 @@ def register_draft_model() -> None:
     Done where a DART worker is built: importing the registry imports every SGLang model."""
     from sglang.srt.models.registry import ModelRegistry
 
-    from sglang_dart.drafter.sglang_model import ARCHITECTURE, LlamaForCausalLMDart
+    from sglang_dart.drafter.config import DART_ARCHITECTURE
+    from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
 
-    ModelRegistry.models[ARCHITECTURE] = LlamaForCausalLMDart
+    ModelRegistry.models[DART_ARCHITECTURE] = LlamaForCausalLMDart
 
 
 def register_dart() -> None:

@@ -220,8 +220,15 @@ def refuse_what_does_not_fit_the_target(
         draft.check_fits_target(hidden, vocab)
     except DraftConfigError as exc:
         raise DartArgsError(f"DART draft checkpoint: {exc}") from exc
-    if store_vocab_size > vocab:
-        raise DartArgsError(f"3-gram store {store_path} has vocabulary {store_vocab_size} > target's {vocab}")
+    refuse_larger_store_vocabulary(store_vocab_size, vocab, store_path)
+
+
+def refuse_larger_store_vocabulary(store_vocab_size: int, target_vocab_size: int, store_path: str) -> None:
+    """A store's ids must be the target's: one with more ids was built with another tokenizer."""
+    if store_vocab_size > target_vocab_size:
+        raise DartArgsError(
+            f"3-gram store {store_path} has vocabulary {store_vocab_size} > target's {target_vocab_size}"
+        )
 
 
 def validate_server_args(server_args: Any) -> None:

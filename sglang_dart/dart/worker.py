@@ -69,6 +69,7 @@ from sglang_dart.dart.settings import (
     context_nodes,
     draft_graphs_choice,
     pruner_config,
+    refuse_larger_store_vocabulary,
     tree_size_schedule,
 )
 from sglang_dart.dart.trees import Trees
@@ -159,10 +160,7 @@ class DartWorker(NGRAMWorker):
 
     def _check_store(self, tokenizer: Any, vocab: int) -> None:
         path = self.server_args.speculative_ngram_external_corpus_path
-        if self.store.vocab_size > vocab:
-            raise DartArgsError(
-                f"3-gram store {path} has vocabulary {self.store.vocab_size} > target's {vocab}"
-            )
+        refuse_larger_store_vocabulary(self.store.vocab_size, vocab, path)
         if tokenizer is None:
             return
         if self.store.tokenizer_fingerprint == 0:  # e.g. imported from a reference .trie without one

@@ -22,10 +22,8 @@ import torch
 from sglang.srt.layers.radix_attention import RadixAttention
 from torch import nn
 
-from sglang_dart.drafter.config import DART_ARCHITECTURE, DraftConfig
+from sglang_dart.drafter.config import DraftConfig
 from sglang_dart.drafter.model import DartDrafter, check_embedding, checked_state
-
-ARCHITECTURE = DART_ARCHITECTURE
 
 
 class LlamaForCausalLMDart(nn.Module):
