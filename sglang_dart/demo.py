@@ -14,6 +14,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,7 +24,13 @@ import requests
 
 from sglang_dart.assets import shipped_smollm2_drafter, smollm2_dir
 from sglang_dart.dart.settings import fast_dtype_here
-from sglang_dart.server_process import SglangServer, dart_flags, stop_servers_on_sigterm
+from sglang_dart.server_process import (
+    SglangServer,
+    dart_flags,
+    default_device_args,
+    start_together,
+    stop_servers_on_sigterm,
+)
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -102,20 +110,22 @@ def main(argv: list[str] | None = None) -> None:
     logs = Path(tempfile.mkdtemp(prefix="sglang-dart-demo-"))
     prompt = chat_prompt(model, args.prompt)
     print(f"model: {model} ({dtype})\nserver logs: {logs}\n\n> {args.prompt}\n", flush=True)
-    serve = partial(_serve_and_answer, model, prompt=prompt, max_tokens=args.max_tokens, dtype=dtype)
+    answer = partial(_answer, prompt=prompt, max_tokens=args.max_tokens)
     if args.plain_only:
-        plain = serve([], logs / "plain.log", echo=True)
+        with _servers(model, {"plain": []}, logs, dtype) as servers:
+            plain = answer(servers["plain"], echo=True)
         rate = plain.tokens_per_second
         print(f"\n\n[plain: {plain.tokens} tokens in {plain.seconds:.2f} s, {rate:.1f} tok/s]")
         return
 
     shipped_draft, shipped_store = shipped_smollm2_drafter()
     draft, store = args.draft or shipped_draft, args.store or shipped_store
-    dart_args = dart_flags(draft, store)
     print(f"DART drafter: {draft}\n3-gram store: {store}\n", flush=True)
-    dart = serve(dart_args, logs / "dart.log", echo=True)
-    print("\n\n(now the same prompt with plain decoding, for comparison)", flush=True)
-    plain = serve([], logs / "plain.log", echo=False)
+    with _servers(model, {"dart": dart_flags(draft, store), "plain": []}, logs, dtype) as servers:
+        dart = answer(servers["dart"], echo=True)
+        servers["dart"].stop()  # its memory back before plain decoding is timed
+        print("\n\n(now the same prompt with plain decoding, for comparison)", flush=True)
+        plain = answer(servers["plain"], echo=False)
     print(report(dart, plain, dtype))
 
 
@@ -128,15 +138,33 @@ def resolve_dtype(choice: str) -> str:
     return fast_dtype_here("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _serve_and_answer(
-    model: Path, args: list[str], log: Path, *, prompt: str, max_tokens: int, echo: bool, dtype: str
-) -> Answer:
-    server = SglangServer(model, [*args, "--dtype", dtype], log).start()
+@contextmanager
+def _servers(
+    model: Path, flags: dict[str, list[str]], logs: Path, dtype: str
+) -> Iterator[dict[str, SglangServer]]:
+    """A started server per entry of `flags` (its log: logs/NAME.log), all stopped on the way out. On the
+    CPU engine they start side by side: a start-up is mostly single-threaded imports, and the CPU engine's
+    KV pool is small. On a GPU one after the other: each would claim SGLang's static share of its memory."""
+    servers = {
+        name: SglangServer(model, [*args, "--dtype", dtype], logs / f"{name}.log")
+        for name, args in flags.items()
+    }
     try:
-        stream_answer(server, "Hello", 4, echo=False)  # first-request set-up is not decoding speed
-        return stream_answer(server, prompt, max_tokens, echo)
+        if default_device_args():
+            start_together(servers.values())
+        yield servers
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+
+
+def _answer(server: SglangServer, *, prompt: str, max_tokens: int, echo: bool) -> Answer:
+    """The timed answer to `prompt`, after a short untimed one (first-request set-up is not decoding speed);
+    a server not started yet (GPU) is started first."""
+    if not server.alive():
+        server.start()
+    stream_answer(server, "Hello", 4, echo=False)
+    return stream_answer(server, prompt, max_tokens, echo)
 
 
 def report(dart: Answer, plain: Answer, dtype: str) -> str:

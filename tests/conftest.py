@@ -68,6 +68,34 @@ def smollm2_server(smollm2_f32_dir: Path, server_logs: Path) -> Iterator[SglangS
     yield from _serve(smollm2_f32_dir, ["--dtype", "float32"], server_logs / "smollm2.log")
 
 
+# The SmolLM2 speculative modules (DART, EAGLE3, DFLASH) check the same 50 chat prompts against one set of
+# plain answers: the longest any of them needs; a module that decodes fewer tokens compares with a prefix
+# (greedy decoding's first n tokens do not depend on max_new_tokens).
+SMOLLM2_PROMPTS = 50
+SMOLLM2_PLAIN_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def smollm2_chat_prompts(smollm2_f32_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from tests.support.prompts import chat_ids
+    from tests.support.prompts_many import many_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
+    return [chat_ids(tokenizer, p) for p in many_prompts(SMOLLM2_PROMPTS)]
+
+
+@pytest.fixture(scope="session")
+def smollm2_plain_answers(
+    smollm2_server: SglangServer, smollm2_chat_prompts: list[list[int]]
+) -> list[list[int]]:
+    """The plain server's greedy answers (SMOLLM2_PLAIN_TOKENS tokens at most) to smollm2_chat_prompts."""
+    params = {"max_new_tokens": SMOLLM2_PLAIN_TOKENS, "temperature": 0.0}
+    outs = smollm2_server.generate_many(smollm2_chat_prompts, params, concurrency=8)
+    return [out["output_ids"] for out in outs]
+
+
 @pytest.fixture(scope="session")
 def smollm2_ngram_server(smollm2_f32_dir: Path, server_logs: Path) -> Iterator[SglangServer]:
     args = ["--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]

@@ -29,7 +29,7 @@ from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_dr
 from sglang_dart.train.estimate import estimate_acceptance, split_holdout
 from sglang_dart.train.feature_cache import FeatureCache
 from sglang_dart.train.features import SOFT_LABELS, collect_features, load_target
-from sglang_dart.train.trainer import train
+from sglang_dart.train.trainer import bf16_autocast_pays, train
 from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
 
 
@@ -85,7 +85,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="share of DART's loss against the target's top-16 distribution instead of its argmax alone "
         "(0.5 and 1.0 did not beat 0 in a short A/B: benchmarks/results/acceptance.md)",
     )
-    p.add_argument("--no-bf16", action="store_true", help="train in float32 (default: bf16 autocast on CPU)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast on CPU (default: where the CPU multiplies bf16 natively, AMX or AVX512-BF16; "
+        "elsewhere it is emulated and several times slower than float32)",
+    )
     p.add_argument(
         "--target-dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -114,6 +120,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
+    if args.bf16 is None:
+        args.bf16 = bf16_autocast_pays()
+    print(f"training with bf16 autocast {'on' if args.bf16 else 'off'} (--bf16 / --no-bf16)")
     if not 0.0 <= args.soft_weight <= 1.0:
         raise SystemExit(f"--soft-weight is a share of the loss, between 0 and 1, not {args.soft_weight}")
     if args.soft_weight and args.format != "dart":
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.monotonic() - trained_from
     save_drafter(model, config, vocab, args.out)
     run_summary.announce_saved(losses, seconds, args.out)
-    estimate = estimate_acceptance(model, held_out, vocab, bf16_autocast=not args.no_bf16, seed=args.seed)
+    estimate = estimate_acceptance(model, held_out, vocab, bf16_autocast=args.bf16, seed=args.seed)
     if estimate is not None:
         print(estimate.describe(), flush=True)
     report = run_summary.report(args, losses, seconds, feats, held_out, estimate)

@@ -3,7 +3,7 @@
     python -m sglang_dart.train.generate --target DIR --out data.jsonl [--num-prompts N] [--magpie M]
         [--max-new-tokens 256] [--concurrency 16] [--dtype auto] [--exclude-file PROMPTS.txt]
         [--temperature 0.0] [--samples-per-prompt 1] [--follow-ups GENERATED.jsonl[.gz] ...]
-        [--draft DIR --store FILE]
+        [--draft DIR --store FILE | --server-url URL]
 
 Each output line is {"prompt": str, "input_ids": [...], "prompt_len": int, "text": str}: the chat-templated
 prompt followed by the target's answer (greedy by default). A drafter trained on the target's own outputs
@@ -21,7 +21,8 @@ missing, so a long generation can span sessions. Magpie prompts are saved as the
 (`OUT.magpie.jsonl`, folded into the list once it is written): a run stopped while sampling keeps them
 (follow-ups likewise, in `OUT.follow-ups.jsonl`).
 `--draft` and `--store` serve the target with DART (an earlier drafter, e.g. the shipped one): the answers
-are the target's own (speculation is lossless), only sooner.
+are the target's own (speculation is lossless), only sooner. `--server-url` answers with a server of the
+target that is already running (on a GPU machine, say) instead of starting one.
 """
 
 from __future__ import annotations
@@ -69,6 +70,35 @@ def target_server(
         yield server
     finally:
         server.stop()
+
+
+def running_server(url: str, target: Path) -> Any:
+    """A client of the SGLang server at `url`; ValueError if nothing answers there. A server that loaded
+    another path than `target` is used with a warning: the same model can sit at different paths."""
+    import requests
+
+    from sglang_dart.server_process import SglangClient
+
+    client = SglangClient(url)
+    try:
+        served = client.model_info()["model_path"]
+    except (requests.RequestException, ValueError, KeyError) as exc:
+        raise ValueError(f"no SGLang server answers /model_info at {url}: {exc}") from exc
+    if Path(served).expanduser().resolve() != target.expanduser().resolve():
+        print(f"warning: the server at {url} serves {served}, not {target}", file=sys.stderr)
+    return client
+
+
+@contextmanager
+def answering_server(args: argparse.Namespace, speculation: list[str], running: Any | None) -> Iterator[Any]:
+    """`running` (the client of --server-url's server), or a server started for the target, its log
+    beside OUT (a failed run keeps its cause) and stopped on the way out."""
+    if running is not None:
+        yield running
+        return
+    dtype = args.dtype or "auto"
+    with target_server(args.target, args.concurrency, args.out.parent, dtype, speculation) as server:
+        yield server
 
 
 def answers(
@@ -150,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", help="target dtype, as the server that will use the drafter")
+    p.add_argument(
+        "--dtype", default=None, help="target dtype, as the server that will use the drafter (default: auto)"
+    )
     p.add_argument("--exclude-file", type=Path, default=None, help="prompts (one per line) to keep out")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     p.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (with sampling)")
@@ -179,8 +211,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--draft", type=Path, default=None, help="serve with DART: this drafter directory")
     p.add_argument("--store", type=Path, default=None, help="serve with DART: this 3-gram store")
+    p.add_argument(
+        "--server-url",
+        default=None,
+        help="answer with this running SGLang server of the target (http://HOST:PORT) instead of starting "
+        "one; its own flags then stand for --dtype, --draft and --store",
+    )
     args = p.parse_args(argv)
     speculation = _speculation_flags(p, args)
+    if args.server_url is not None and (speculation or args.dtype is not None):
+        p.error("--server-url uses a running server: --dtype, --draft and --store are that server's flags")
     if args.temperature < 0 or args.samples_per_prompt < 1:
         p.error("--temperature must be >= 0 and --samples-per-prompt >= 1")
     if args.magpie < 0:
@@ -215,10 +255,15 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--magpie: {exc}")
     answered = _answers_to_follow_up(p, args, tokenizer) if args.follow_ups is not None and not resume else []
     count = tokens = 0
-    # The server runs in its own session; a plain SIGTERM would end this process and leave it running.
+    # A server started here runs in its own session; a plain SIGTERM would end this process and leave it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    # The server's log stays beside the data: a failed run keeps its cause.
-    with target_server(args.target, args.concurrency, args.out.parent, args.dtype, speculation) as server:
+    running = None
+    if args.server_url is not None:
+        try:
+            running = running_server(args.server_url, args.target)
+        except ValueError as exc:
+            p.error(f"--server-url: {exc}")
+    with answering_server(args, speculation, running) as server:
         if not resume:
             if args.magpie:
                 prompts = prompts + _magpie_prompts(server, tokenizer, args, exclude, prompts, magpie_file)
@@ -242,10 +287,10 @@ def main(argv: list[str] | None = None) -> None:
                         count += 1
                         tokens += len(row["input_ids"]) - row["prompt_len"]
         except BaseException:
+            log = "" if running else f"; the server's log is {args.out.parent / 'generate-server.log'}"
             print(
                 f"stopped after {len(done) + count} of {len(prompts)} conversations; they are in {partial} "
-                f"(run the same command again to go on); the server's log is "
-                f"{args.out.parent / 'generate-server.log'}",
+                f"(run the same command again to go on){log}",
                 file=sys.stderr,
             )
             raise

@@ -210,7 +210,7 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
     save(model, config, args.out)
     run_summary.announce_saved(losses, seconds, args.out)
     estimate = estimate_acceptance(
-        model, frozen, held_out, block, mask_id, bf16_autocast=not args.no_bf16, seed=args.seed
+        model, frozen, held_out, block, mask_id, bf16_autocast=args.bf16, seed=args.seed
     )
     if estimate is not None:
         print(estimate.describe(), flush=True)

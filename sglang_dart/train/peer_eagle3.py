@@ -60,7 +60,7 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
     eagle3_checkpoint.save(model, config, vocab, args.out)
     run_summary.announce_saved(losses, seconds, args.out)
     estimate = eagle3_trainer.estimate_acceptance(
-        model, held_out, vocab, args.eagle3_ttt_steps, bf16_autocast=not args.no_bf16
+        model, held_out, vocab, args.eagle3_ttt_steps, bf16_autocast=args.bf16
     )
     if estimate is not None:
         print(estimate.describe().replace("by row", "by step"), flush=True)

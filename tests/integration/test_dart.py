@@ -8,19 +8,14 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
 
-from sglang_dart.server_process import (
-    SglangServer,
-    device_flag,
-    free_port,
-    run_launcher,
-)
+from sglang_dart.server_process import SglangServer, device_flag, free_port, run_launcher, start_together
 from tests.support.dart_assets import build_random_drafter, build_store_for
 from tests.support.dart_serving import (
     SEED,
@@ -43,31 +38,115 @@ def qwen3_assets(tiny_qwen3_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def qwen3_dart(tiny_qwen3_dir, qwen3_assets, server_logs) -> Iterator[SglangServer]:
-    """DART as a GPU runs it: overlap scheduling, and the draft step's pieces replayed from per-shape
-    graph buffers (`device_graphs`, emulated: no CUDA here). The synchronous server drafts eagerly."""
+def qwen3_dart_servers(tiny_qwen3_dir, qwen3_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
+    """DART as a GPU runs it ("overlap"): overlap scheduling, and the draft step's pieces replayed from
+    per-shape graph buffers (`device_graphs`, emulated: no CUDA here); and "sync", without overlap
+    scheduling, drafting eagerly. Started side by side."""
     args = [*dart_server_args(*qwen3_assets), *SEED]
     env = {"SGLANG_DART_DRAFT_GRAPHS": "emulate"}
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart.log", env=env).start()
-    yield server
-    server.stop()
+    servers = {
+        "overlap": SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart.log", env=env),
+        "sync": SglangServer(
+            tiny_qwen3_dir, [*args, "--disable-overlap-schedule"], server_logs / "qwen3-dart-sync.log"
+        ),
+    }
+    start_together(servers.values())
+    yield servers
+    for server in servers.values():
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def qwen3_dart_sync(tiny_qwen3_dir, qwen3_assets, server_logs) -> Iterator[SglangServer]:
-    args = [*dart_server_args(*qwen3_assets), *SEED, "--disable-overlap-schedule"]
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart-sync.log").start()
+def qwen3_dart(qwen3_dart_servers) -> SglangServer:
+    return qwen3_dart_servers["overlap"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dart_sync(qwen3_dart_servers) -> SglangServer:
+    return qwen3_dart_servers["sync"]
+
+
+def _bf16_config_copy(model: Path, out: Path) -> Path:
+    """`model` with config.json saying bfloat16 (the weights stay float32)."""
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    config.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_model: Path) -> dict:
+    """DART servers that each differ from qwen3_dart in one setting: name -> (model, args, env, log)."""
+    base = [*dart_server_args(*qwen3_assets), *SEED]
+    unset_tuning = {"SGLANG_DART_TREE_SIZES": None, "GOMP_SPINCOUNT": None}  # the defaults are under test
+    return {
+        "no-chains": (tiny_qwen3_dir, base, {"SGLANG_DART_CONTEXT_NODES": "0"}, "qwen3-dart-no-chains"),
+        "retract": (tiny_qwen3_dir, base, {"SGLANG_TEST_RETRACT": "1"}, "qwen3-dart-retract"),
+        "bf16-default-sizes": (
+            bf16_model,
+            [*dart_server_args(*qwen3_assets), "--dtype", "auto"],  # the later --dtype wins
+            unset_tuning,
+            "qwen3-bf16-default-sizes",
+        ),
+        "root-only": (tiny_qwen3_dir, base, {"SGLANG_DART_TREE_SIZES": "1:1"}, "qwen3-root-only"),
+        "chunked": (tiny_qwen3_dir, [*base, "--chunked-prefill-size", "16"], None, "qwen3-dart-chunked"),
+    }
+
+
+# Started in groups at the first use of one of them (each test stops its own when done): a start-up is
+# mostly single-threaded imports, and two or three side by side took 33-36 s a server on 2 cores against
+# 47 s one at a time; five together took 51 s a server.
+VARIANT_GROUPS = [("no-chains", "retract", "bf16-default-sizes"), ("root-only", "chunked")]
+
+
+@pytest.fixture(scope="module")
+def variant_servers(
+    tiny_qwen3_dir, qwen3_assets, server_logs, tmp_path_factory
+) -> Iterator[Callable[[str], SglangServer]]:
+    """name -> a callable that returns that variant's server, started with its group."""
+    bf16_model = _bf16_config_copy(tiny_qwen3_dir, tmp_path_factory.mktemp("bf16") / "qwen3-bf16")
+    specs = _variant_specs(tiny_qwen3_dir, qwen3_assets, bf16_model)
+    servers: dict[str, SglangServer] = {}
+
+    def server(name: str) -> SglangServer:
+        if name not in servers:
+            group = next(g for g in VARIANT_GROUPS if name in g)
+            for member in group:
+                model, args, env, log = specs[member]
+                servers[member] = SglangServer(model, args, server_logs / f"{log}.log", env=env)
+            start_together(servers[member] for member in group)
+        return servers[name]
+
     yield server
-    server.stop()
+    for started in servers.values():
+        started.stop()
 
 
-@pytest.mark.parametrize("schedule", ["overlap", "sync"])
-@pytest.mark.parametrize("concurrency", [pytest.param(1, marks=pytest.mark.slow), 4, 16])
-def test_qwen3_greedy_equals_plain(request, qwen3_plain, concurrency, schedule):
+@pytest.fixture(scope="module")
+def qwen3_reference(qwen3_plain) -> tuple[list[str], list[list[int]]]:
+    """56 prompts and the plain server's greedy answers to them."""
+    prompts = many_prompts(56)
+    return prompts, [out["output_ids"] for out in run_all(qwen3_plain, prompts, 8)]
+
+
+# Synchronous scheduling at concurrency 4 is nightly (-m slow), with concurrency 1: CI checks it here at 16,
+# and test_dart_trees.py's τ check runs it at 4 with drafts accepted.
+@pytest.mark.parametrize(
+    ("concurrency", "schedule"),
+    [
+        pytest.param(1, "overlap", marks=pytest.mark.slow),
+        pytest.param(1, "sync", marks=pytest.mark.slow),
+        (4, "overlap"),
+        pytest.param(4, "sync", marks=pytest.mark.slow),
+        (16, "overlap"),
+        (16, "sync"),
+    ],
+)
+def test_qwen3_greedy_equals_plain(request, qwen3_reference, concurrency, schedule):
     """With overlap scheduling (SGLang's default) and without (`--disable-overlap-schedule`)."""
     dart = request.getfixturevalue("qwen3_dart" if schedule == "overlap" else "qwen3_dart_sync")
-    prompts = many_prompts(56)
-    reference = [out["output_ids"] for out in run_all(qwen3_plain, prompts, 8)]
+    prompts, reference = qwen3_reference
     speculative = run_all(dart, prompts, concurrency)
     for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
         assert spec["output_ids"] == ref, prompt
@@ -80,17 +159,13 @@ def test_qwen3_greedy_equals_plain(request, qwen3_plain, concurrency, schedule):
     assert "captured while serving" not in log
 
 
-def test_context_chains_are_accepted_losslessly(
-    tiny_qwen3_dir, qwen3_assets, qwen3_plain, qwen3_dart, server_logs
-):
+def test_context_chains_are_accepted_losslessly(qwen3_plain, qwen3_dart, variant_servers):
     """The random drafter's drafts are nearly always rejected; context chains (on by default) predict
     where the tiny target's greedy output repeats itself: fewer verify steps than with chains off
     (`SGLANG_DART_CONTEXT_NODES=0`), and the target's own output either way."""
     prompts, new_tokens = many_prompts(24), 64
     reference = [out["output_ids"] for out in run_all(qwen3_plain, prompts, 8, new_tokens)]
-    args = [*dart_server_args(*qwen3_assets), *SEED]
-    env = {"SGLANG_DART_CONTEXT_NODES": "0"}
-    off = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart-no-chains.log", env=env).start()
+    off = variant_servers("no-chains")
     try:
         without = run_all(off, prompts, 4, new_tokens)
     finally:
@@ -206,15 +281,10 @@ def test_streaming_load_with_random_aborts(qwen3_dart, qwen3_plain):
     assert "leak" not in qwen3_dart.log_text().lower()
 
 
-def test_retracted_requests_resume_losslessly(
-    tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs, monkeypatch
-):
+def test_retracted_requests_resume_losslessly(qwen3_plain, variant_servers):
     """SGLang's test switch retracts running requests every few steps; they come back through prefill and
     must rebuild their draft state from the slots SGLang re-assigns."""
-    monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
-    server = SglangServer(
-        tiny_qwen3_dir, [*dart_server_args(*qwen3_assets), *SEED], server_logs / "qwen3-dart-retract.log"
-    ).start()
+    server = variant_servers("retract")
     try:
         prompts = many_prompts(12)
         spec = [o["output_ids"] for o in run_all(server, prompts, 12, n=40)]
@@ -225,9 +295,7 @@ def test_retracted_requests_resume_losslessly(
         server.stop()
 
 
-def test_default_tree_sizes_follow_the_loaded_dtype(
-    tiny_qwen3_dir, qwen3_assets, server_logs, monkeypatch, tmp_path
-):
+def test_default_tree_sizes_follow_the_loaded_dtype(variant_servers):
     """With no schedule set, the worker picks the CPU default from the dtype the target was loaded in, not
     from --dtype: a model whose config says bf16, served with --dtype auto, gets `cpu-amx`'s schedule on a
     CPU with AMX tiles, `cpu-avx512-bf16`'s on one with AVX512-BF16 only (the plain CPU one elsewhere)."""
@@ -235,19 +303,9 @@ def test_default_tree_sizes_follow_the_loaded_dtype(
     from sglang_dart.dart.settings import cpu_has_amx_bf16, cpu_has_avx512_bf16
     from sglang_dart.dart.tree_sizes import default_schedule, default_schedule_key
 
-    monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    model = tmp_path / "qwen3-bf16"
-    shutil.copytree(tiny_qwen3_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    config["torch_dtype"] = "bfloat16"
-    config.pop("dtype", None)
-    (model / "config.json").write_text(json.dumps(config))
-    draft, store = qwen3_assets
     key = default_schedule_key("cpu", "torch.bfloat16", cpu_has_amx_bf16(), cpu_has_avx512_bf16())
     expected = GuardedTreeSizes(default_schedule(key, 8))  # on a CPU the default is guarded
-    args = [*dart_server_args(draft, store), "--dtype", "auto"]  # the later --dtype wins
-    server = SglangServer(model, args, server_logs / "qwen3-bf16-default-sizes.log").start()
+    server = variant_servers("bf16-default-sizes")
     try:
         out = server.generate({"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
         log = server.log_text()
@@ -271,15 +329,11 @@ def test_openmp_spinning_is_off_for_a_float32_target(qwen3_dart):
     assert "Rust few-row linears on; GOMP_SPINCOUNT=0" in qwen3_dart.log_text()
 
 
-def test_root_only_steps_are_plain_decoding(
-    tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs, monkeypatch
-):
+def test_root_only_steps_are_plain_decoding(qwen3_plain, variant_servers):
     """Schedule 1:1, every step verifies the roots alone. Such steps run as SGLang's own decode forward
     and sampler, except for batches with logprobs or a grammar, which take the size-1 verify path. Both
     must match the plain server: greedy tokens, sampled distribution, logprobs, constrained output."""
-    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:1")
-    args = [*dart_server_args(*qwen3_assets), *SEED]
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-root-only.log").start()
+    server = variant_servers("root-only")
     try:
         prompts = many_prompts(16)
         reference = [out["output_ids"] for out in run_all(qwen3_plain, prompts, 4)]
@@ -358,11 +412,10 @@ def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_
     assert accepted is None
 
 
-def test_chunked_prefill_and_stop_strings(tiny_qwen3_dir, qwen3_assets, qwen3_plain, server_logs):
+def test_chunked_prefill_and_stop_strings(qwen3_plain, variant_servers):
     """Prompts longer than the prefill chunk (the draft entry at each chunk boundary is recomputed from the
     stored residual) and stop strings give the plain server's output."""
-    args = [*dart_server_args(*qwen3_assets), *SEED, "--chunked-prefill-size", "16"]
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-dart-chunked.log").start()
+    server = variant_servers("chunked")
     try:
         long_prompts = [p * 4 for p in many_prompts(8)]
         spec_ids = [o["output_ids"] for o in run_all(server, long_prompts, 4)]

@@ -8,14 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_dart.server_process import (
-    SglangServer,
-)
+from sglang_dart.server_process import SglangServer
 from tests.support.dart_assets import build_random_drafter, build_store_for
-from tests.support.dart_serving import (
-    dart_server_args,
-)
-from tests.support.prompts_many import many_prompts
+from tests.support.dart_serving import dart_server_args
 
 pytestmark = pytest.mark.server
 
@@ -24,19 +19,8 @@ SMOL_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def smollm2_chat_ids(smollm2_f32_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from tests.support.prompts import chat_ids
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
-    return [chat_ids(tokenizer, p) for p in many_prompts(50)]
-
-
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_server, smollm2_chat_ids) -> list[list[int]]:
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(lambda x: smollm2_server.greedy_ids(x, SMOL_TOKENS), smollm2_chat_ids))
+def smollm2_reference(smollm2_plain_answers) -> list[list[int]]:
+    return [answer[:SMOL_TOKENS] for answer in smollm2_plain_answers]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +38,9 @@ def smollm2_dart(smollm2_f32_dir, tmp_path_factory, server_logs) -> Iterator[Sgl
 # Concurrency 1 and 4 are nightly (-m slow): CI time is budgeted, and the tiny Qwen3's server tests check
 # concurrency 4 with and without overlap scheduling.
 @pytest.mark.parametrize("concurrency", [pytest.param(c, marks=pytest.mark.slow) for c in (1, 4)] + [16])
-def test_smollm2_greedy_equals_plain(smollm2_dart, smollm2_chat_ids, smollm2_reference, concurrency):
+def test_smollm2_greedy_equals_plain(smollm2_dart, smollm2_chat_prompts, smollm2_reference, concurrency):
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        spec = list(pool.map(lambda x: smollm2_dart.greedy_ids(x, SMOL_TOKENS), smollm2_chat_ids))
+        spec = list(pool.map(lambda x: smollm2_dart.greedy_ids(x, SMOL_TOKENS), smollm2_chat_prompts))
     for i, (got, want) in enumerate(zip(spec, smollm2_reference, strict=True)):
         assert got == want, f"prompt {i}"
     assert smollm2_dart.healthy()

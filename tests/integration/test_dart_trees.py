@@ -13,10 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_dart.server_process import (
-    SglangServer,
-    default_engine_kwargs,
-)
+from sglang_dart.server_process import SglangServer, default_engine_kwargs, start_together
 from tests.support.dart_assets import build_random_drafter, build_store_from_ids
 from tests.support.dart_serving import (
     SEED,
@@ -24,7 +21,7 @@ from tests.support.dart_serving import (
     dart_server_args,
     run_all,
 )
-from tests.support.engine_run import run_engine
+from tests.support.engine_run import run_engines
 from tests.support.prompts_many import many_prompts
 
 pytestmark = pytest.mark.server
@@ -50,19 +47,35 @@ def own_store_assets(
     return prompts, outputs, dart_server_args(draft, store, tokens=8, topk=len(tokenizer))
 
 
+@pytest.fixture(scope="module")
+def accepting_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
+    """DART servers whose trees predict the target, started side by side at the first one's use (each
+    test stops its own when done): "overlap" and "sync" (--disable-overlap-schedule) with metrics on, and
+    "frontend" for SGLang's frontend programs."""
+    dart_args = own_store_assets[2]
+    variants = {
+        "overlap": ([*dart_args, "--enable-metrics"], "qwen3-tau-overlap"),
+        "sync": ([*dart_args, "--disable-overlap-schedule", "--enable-metrics"], "qwen3-tau-sync"),
+        "frontend": (dart_args, "qwen3-dart-frontend"),
+    }
+    servers = {
+        name: SglangServer(tiny_qwen3_dir, args, server_logs / f"{log}.log")
+        for name, (args, log) in variants.items()
+    }
+    start_together(servers.values())
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
 @pytest.mark.parametrize("schedule", ["overlap", "sync"])
-def test_drafts_are_accepted_when_the_store_knows_the_target(
-    tiny_qwen3_dir, own_store_assets, server_logs, schedule
-):
+def test_drafts_are_accepted_when_the_store_knows_the_target(own_store_assets, accepting_servers, schedule):
     """Synthetic τ check: with the trees predicting the target, τ must be well above 1. If verification or
     bookkeeping rejected everything, τ would be 1. Under both schedules SGLang offers: with overlap (its
     default) SGLang appends a step's tokens to the requests one step late, so the worker must not read them
     from there; `--disable-overlap-schedule` runs every step synchronously."""
-    prompts, outputs, dart_args = own_store_assets
-    sync = ["--disable-overlap-schedule"] if schedule == "sync" else []
-    server = SglangServer(
-        tiny_qwen3_dir, [*dart_args, *sync, "--enable-metrics"], server_logs / f"qwen3-tau-{schedule}.log"
-    ).start()
+    prompts, outputs, _ = own_store_assets
+    server = accepting_servers[schedule]
     try:
         info = requests.get(f"{server.url}/server_info", timeout=30).json()
         assert info["disable_overlap_schedule"] == (schedule == "sync")
@@ -92,15 +105,19 @@ def test_engine_runs_dart_losslessly(tiny_qwen3_dir, own_store_assets, tmp_path)
     an exception raised in the caller's process, naming the problem."""
     prompts, outputs, dart_args = own_store_assets
     kwargs = _engine_kwargs(tiny_qwen3_dir, dart_args)
-    results = run_engine(kwargs, prompts[:8], {"max_new_tokens": 48, "temperature": 0.0})
+    missing = str(tmp_path / "missing.store")
+    results, error = run_engines(
+        [
+            (kwargs, prompts[:8], {"max_new_tokens": 48, "temperature": 0.0}),
+            ({**kwargs, "speculative_ngram_external_corpus_path": missing}, prompts[:1], {}),
+        ]
+    )
     assert isinstance(results, list), results
     for got, want in zip(results, outputs[:8], strict=True):
         assert got["output_ids"] == want["output_ids"]
     emitted = sum(len(r["output_ids"]) for r in results)
     steps = sum(r["meta_info"]["spec_verify_ct"] for r in results)
     assert emitted / steps > 1.5, f"mean accepted length {emitted / steps:.2f}"
-    missing = str(tmp_path / "missing.store")
-    error = run_engine({**kwargs, "speculative_ngram_external_corpus_path": missing}, prompts[:1], {})
     assert isinstance(error, str) and "does not exist" in error, error
 
 
@@ -124,16 +141,16 @@ def _frontend_program():
     return program
 
 
-def test_frontend_programs_run_on_dart(tiny_qwen3_dir, own_store_assets, qwen3_plain, server_logs):
+def test_frontend_programs_run_on_dart(own_store_assets, qwen3_plain, accepting_servers):
     """SGLang frontend programs against a DART server: every variable and the whole text equal the same
     program's against the plain server, run four at a time, with drafts accepted on the way."""
     import sglang as sgl
 
-    prompts, _, dart_args = own_store_assets
+    prompts = own_store_assets[0]
     program = _frontend_program()
     jobs = [{"prompt": p} for p in prompts[:8]]
     plain = program.run_batch(jobs, backend=sgl.RuntimeEndpoint(qwen3_plain.url), num_threads=4)
-    server = SglangServer(tiny_qwen3_dir, dart_args, server_logs / "qwen3-dart-frontend.log").start()
+    server = accepting_servers["frontend"]
     try:
         spec = program.run_batch(jobs, backend=sgl.RuntimeEndpoint(server.url), num_threads=4)
         assert server.healthy()
@@ -189,10 +206,7 @@ def feature_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[d
         for name, args in (("plain", plain), ("dart", own_store_assets[2]))
     }
     try:
-        # Started side by side: a start-up is mostly single-threaded imports and loading.
-        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-            for started in [pool.submit(server.start) for server in servers.values()]:
-                started.result()
+        start_together(servers.values())
         yield servers
     finally:
         for server in servers.values():
@@ -271,6 +285,7 @@ def test_penalties_apply_per_tree_node(feature_servers, own_store_assets):
     assert sum(changed) >= len(penalized_) // 2, changed  # the penalties are strong enough to matter
 
 
+TREE_SIZES = "SGLANG_DART_TREE_SIZES"
 _DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+)")
 
 
@@ -300,15 +315,32 @@ def _staggered_lossless_run(
     return results, log
 
 
-def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch):
+@pytest.fixture(scope="module")
+def schedule_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
+    """DART servers under three tree-size schedules (SGLANG_DART_TREE_SIZES): "1:8,4:1", "auto" and the
+    guarded CPU default (unset), logging every decode step; started side by side at the first one's use."""
+    args = [*own_store_assets[2], "--decode-log-interval", "1"]
+    schedules = {
+        "1:8,4:1": ("1:8,4:1", "qwen3-tree-sizes"),
+        "auto": ("auto", "qwen3-tree-sizes-auto"),
+        "guarded default": (None, "qwen3-tree-sizes-guarded-default"),
+    }
+    servers = {
+        name: SglangServer(tiny_qwen3_dir, args, server_logs / f"{log}.log", env={TREE_SIZES: value})
+        for name, (value, log) in schedules.items()
+    }
+    start_together(servers.values())
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
+def test_tree_size_follows_the_batch_size(own_store_assets, schedule_servers):
     """Schedule 1:8,4:1: steps with 4 or more running requests verify the roots alone (accept length
     exactly 1 in the per-step log line), smaller batches draft trees again (accept length > 1). Requests of
     staggered lengths take the batch from 12 down to 1, through both switches, and stay lossless."""
-    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:8,4:1")
-    prompts, outputs, dart_args = own_store_assets
-    args = [*dart_args, "--decode-log-interval", "1"]
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-tree-sizes.log").start()
-    results, log = _staggered_lossless_run(server, prompts, outputs)
+    prompts, outputs, _ = own_store_assets
+    results, log = _staggered_lossless_run(schedule_servers["1:8,4:1"], prompts, outputs)
     steps = [(int(bs), float(tau)) for bs, tau in _DECODE_LINE.findall(log)]
     big = [tau for bs, tau in steps if bs >= 6]  # margin: the logged count may trail the batch that ran
     small = [tau for bs, tau in steps if bs <= 2]
@@ -320,21 +352,14 @@ def test_tree_size_follows_the_batch_size(tiny_qwen3_dir, own_store_assets, serv
 
 
 @pytest.mark.parametrize("sizes", ["auto", "guarded default"])
-def test_adaptive_tree_size_stays_lossless(tiny_qwen3_dir, own_store_assets, server_logs, monkeypatch, sizes):
+def test_adaptive_tree_size_stays_lossless(own_store_assets, schedule_servers, sizes):
     """SGLANG_DART_TREE_SIZES=auto measures every candidate size (1, 2, 4, 8) in each batch-size bucket
     before it settles, and the guarded CPU default its schedule's size against the root alone (float32:
     trees of 8 below batch 4), so a run whose batch shrinks from 12 to 1 switches between root-only steps
     (accept length exactly 1) and trees (accept length > 1) many times; every output must still be the
     target's."""
-    if sizes == "auto":
-        monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "auto")
-    else:
-        monkeypatch.delenv("SGLANG_DART_TREE_SIZES", raising=False)
-    prompts, outputs, dart_args = own_store_assets
-    args = [*dart_args, "--decode-log-interval", "1"]
-    log_name = f"qwen3-tree-sizes-{sizes.replace(' ', '-')}.log"
-    server = SglangServer(tiny_qwen3_dir, args, server_logs / log_name).start()
-    results, log = _staggered_lossless_run(server, prompts, outputs)
+    prompts, outputs, _ = own_store_assets
+    results, log = _staggered_lossless_run(schedule_servers[sizes], prompts, outputs)
     _check_drafted_counts(results, {1, 2, 4, 8} if sizes == "auto" else {1, 8})
     expected = "auto" if sizes == "auto" else "1:8,4:1, guarded"
     assert f"DART tree size by batch size: {expected}" in log

@@ -19,29 +19,21 @@ from pathlib import Path
 import pytest
 
 from sglang_dart.server_process import SglangServer
-from tests.support.prompts_many import many_prompts
 
 pytestmark = pytest.mark.server
 
 NEW_TOKENS = 24
 BLOCK = 4
-PROMPTS = 50
 
 
 @pytest.fixture(scope="module")
-def chat_prompts(smollm2_f32_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from tests.support.prompts import chat_ids
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
-    return [chat_ids(tokenizer, p) for p in many_prompts(PROMPTS)]
+def chat_prompts(smollm2_chat_prompts) -> list[list[int]]:
+    return smollm2_chat_prompts
 
 
 @pytest.fixture(scope="module")
-def plain_answers(smollm2_server, chat_prompts) -> list[list[int]]:
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(lambda ids: smollm2_server.greedy_ids(ids, NEW_TOKENS), chat_prompts))
+def plain_answers(smollm2_plain_answers) -> list[list[int]]:
+    return [answer[:NEW_TOKENS] for answer in smollm2_plain_answers]
 
 
 @pytest.fixture(scope="module")
@@ -103,24 +95,37 @@ def _untrained_drafter(out: Path, target_config: dict, **dflash: object) -> Path
     return out
 
 
-def _launch_dflash(target: Path, draft: Path) -> str:
+def _launch_dflash(target: Path, draft: Path) -> subprocess.CompletedProcess:
     from sglang_dart.server_process import device_flag, free_port, run_launcher
 
     args = ["--model-path", str(target), *device_flag(), "--port", str(free_port()), "--dtype", "float32"]
     args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
-    result = run_launcher(args)
-    assert result.returncode != 0
-    return result.stdout + result.stderr
+    return run_launcher(args)
 
 
-def test_mask_id_outside_the_vocabulary_stops_the_server(tiny_llama_dir, tmp_path):
+@pytest.fixture(scope="module")
+def refused_drafters(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
+    """The launcher's output for each bad drafter; the launches run side by side (each is mostly
+    single-threaded imports) and each must fail."""
     target = json.loads((tiny_llama_dir / "config.json").read_text())
-    draft = _untrained_drafter(tmp_path / "draft", target, mask_token_id=target["vocab_size"])
-    assert "DFLASH mask_token_id is outside the target vocab size" in _launch_dflash(tiny_llama_dir, draft)
-
-
-def test_drafter_of_another_target_stops_the_server(tiny_llama_dir, tmp_path):
-    target = json.loads((tiny_llama_dir / "config.json").read_text())
+    root = tmp_path_factory.mktemp("bad-dflash")
     other = {**target, "hidden_size": 2 * target["hidden_size"], "intermediate_size": 32}
-    output = _launch_dflash(tiny_llama_dir, _untrained_drafter(tmp_path / "draft", other))
+    drafts = {
+        "mask outside": _untrained_drafter(root / "mask", target, mask_token_id=target["vocab_size"]),
+        "another target": _untrained_drafter(root / "other", other),
+    }
+    with ThreadPoolExecutor(max_workers=len(drafts)) as pool:
+        futures = {name: pool.submit(_launch_dflash, tiny_llama_dir, draft) for name, draft in drafts.items()}
+        results = {name: future.result() for name, future in futures.items()}
+    for name, result in results.items():
+        assert result.returncode != 0, name
+    return {name: result.stdout + result.stderr for name, result in results.items()}
+
+
+def test_mask_id_outside_the_vocabulary_stops_the_server(refused_drafters):
+    assert "DFLASH mask_token_id is outside the target vocab size" in refused_drafters["mask outside"]
+
+
+def test_drafter_of_another_target_stops_the_server(refused_drafters):
+    output = refused_drafters["another target"]
     assert "the DFLASH draft checkpoint was made for another target model: hidden_size" in output

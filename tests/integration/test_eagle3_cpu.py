@@ -3,10 +3,12 @@
 SmolLM2-135M, 50 prompts, eight requests in flight; one at a time too in the nightly run), and drafts really
 get accepted.
 
-The drafter is trained here, for at most a minute (150 steps), on the plain server's own answers to the test
+The drafter is trained here, for 60 steps in float32, on the plain server's own answers to the test
 prompts: the cheapest drafter that gets accepted often, so the accept path (not only rejections) is
-exercised. Training longer pays for itself: on this 2-core machine 108 steps gave 3.7 tokens per verify step
-and 60 steps 2.0, and the one-at-a-time pass took 76 s against 132 s (runs under different loads)."""
+exercised. A step count, not a time budget: CI stopped at one minute on an AVX2-only machine where bf16
+autocast was emulated, after 9 steps, and its drafter fell under the acceptance floor (1.15 tokens per
+verify step). In float32 that machine trains 75 steps a minute: 50 steps reach 0.71 / 0.62 / 0.53 top-1
+by step, and 90 steps gave 3.39 tokens per verify step here."""
 
 from __future__ import annotations
 
@@ -20,13 +22,10 @@ from pathlib import Path
 import pytest
 
 from sglang_dart.server_process import SglangServer, default_device_args
-from tests.support.prompts import chat_ids
-from tests.support.prompts_many import many_prompts
 
 pytestmark = pytest.mark.server
 
 NEW_TOKENS = 32
-PROMPTS = 50
 # EAGLE3 settings that run on the CPU engine: a chain (topk 1) of 3 drafted tokens, verified with the
 # bonus token as a tree of 4. Wider trees (topk > 1) also build, but a chain costs least per step on CPU.
 EAGLE3_ARGS = [
@@ -42,17 +41,13 @@ EAGLE3_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_f32_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
-    return [chat_ids(tokenizer, p) for p in many_prompts(PROMPTS)]
+def prompts(smollm2_chat_prompts) -> list[list[int]]:
+    return smollm2_chat_prompts
 
 
 @pytest.fixture(scope="module")
-def plain_answers(smollm2_server, prompts) -> list[list[int]]:
-    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
-    return [out["output_ids"] for out in smollm2_server.generate_many(prompts, params, concurrency=8)]
+def plain_answers(smollm2_plain_answers) -> list[list[int]]:
+    return [answer[:NEW_TOKENS] for answer in smollm2_plain_answers]
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +81,8 @@ def eagle3_draft(smollm2_f32_dir, prompts, plain_answers, tmp_path_factory) -> P
         "--lr",
         "3e-3",
         "--max-steps",
-        "150",
-        "--max-minutes",
-        "1",
+        "60",
+        "--no-bf16",
         "--holdout",
         "0",
     ]
@@ -98,7 +92,7 @@ def eagle3_draft(smollm2_f32_dir, prompts, plain_answers, tmp_path_factory) -> P
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "top-1 by step" in done.stdout, done.stdout[-2000:]
     report = json.loads((out / "train_report.json").read_text())
-    assert report["format"] == "eagle3" and report["steps"] > 0
+    assert report["format"] == "eagle3" and report["steps"] == 60
     return out
 
 

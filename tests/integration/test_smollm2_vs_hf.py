@@ -42,13 +42,15 @@ def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
 
-def test_greedy_matches_transformers(smollm2_server, hf_model):
+def test_greedy_matches_transformers(smollm2_chat_prompts, smollm2_plain_answers, hf_model):
+    """The served answers: the plain SmolLM2 server's to the shared chat prompts, which begin with
+    ALL_PROMPTS (tests/conftest.py)."""
     tokenizer, model = hf_model
     configured = model.generation_config.eos_token_id
     eos = {tokenizer.eos_token_id, *([configured] if isinstance(configured, int) else configured or [])}
-    assert len(ALL_PROMPTS) >= 10
-    for prompt in ALL_PROMPTS:
-        ids = chat_ids(tokenizer, prompt)
-        served = _strip_eos(smollm2_server.greedy_ids(ids, NEW_TOKENS), eos)
+    assert 10 <= len(ALL_PROMPTS) <= len(smollm2_chat_prompts)
+    for prompt, ids, answer in zip(ALL_PROMPTS, smollm2_chat_prompts, smollm2_plain_answers, strict=False):
+        assert ids == chat_ids(tokenizer, prompt)
+        served = _strip_eos(answer[:NEW_TOKENS], eos)
         reference = _strip_eos(_hf_greedy(model, tokenizer, ids), eos)
         assert served == reference, f"{prompt!r}:\n served {served}\n    hf {reference}"

@@ -1,6 +1,10 @@
-"""Bad server arguments end the launcher with SGLang's own clear error, never a hang."""
+"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The three launches
+run side by side (each is mostly single-threaded imports) in one module fixture; each test reads its own."""
 
 from __future__ import annotations
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -9,25 +13,37 @@ from sglang_dart.server_process import device_flag, free_port, run_launcher
 pytestmark = pytest.mark.server
 
 
-def test_missing_model_path_fails_fast(tmp_path):
-    missing = tmp_path / "no-such-model"
-    result = run_launcher(["--model-path", str(missing), *device_flag(), "--port", str(free_port())])
+@pytest.fixture(scope="module")
+def refused_launches(tiny_llama_dir, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    missing = tmp_path_factory.mktemp("missing") / "no-such-model"
+    launches = {
+        "missing model": ([str(missing), *device_flag()], None),
+        "unknown device": ([str(tiny_llama_dir), "--device", "tpu9"], None),
+        "bad gemm setting": (
+            [str(tiny_llama_dir), "--device", "cpu"],
+            {"SGLANG_DART_CPU_SKINNY_GEMM": "fastest"},
+        ),
+    }
+    with ThreadPoolExecutor(max_workers=len(launches)) as pool:
+        futures = {
+            name: pool.submit(run_launcher, ["--model-path", *args, "--port", str(free_port())], env=env)
+            for name, (args, env) in launches.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _refused_naming(result: subprocess.CompletedProcess, text: str) -> None:
     assert result.returncode != 0
-    assert "no-such-model" in result.stdout + result.stderr
+    assert text in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
 
 
-def test_unknown_device_is_rejected(tiny_llama_dir):
-    result = run_launcher(
-        ["--model-path", str(tiny_llama_dir), "--device", "tpu9", "--port", str(free_port())]
-    )
-    assert result.returncode != 0
-    assert "tpu9" in result.stdout + result.stderr
+def test_missing_model_path_fails_fast(refused_launches):
+    _refused_naming(refused_launches["missing model"], "no-such-model")
 
 
-def test_bad_cpu_gemm_setting_stops_the_launcher(tiny_llama_dir):
-    result = run_launcher(
-        ["--model-path", str(tiny_llama_dir), "--device", "cpu", "--port", str(free_port())],
-        env={"SGLANG_DART_CPU_SKINNY_GEMM": "fastest"},
-    )
-    assert result.returncode != 0
-    assert "SGLANG_DART_CPU_SKINNY_GEMM='fastest'" in result.stdout + result.stderr
+def test_unknown_device_is_rejected(refused_launches):
+    _refused_naming(refused_launches["unknown device"], "tpu9")
+
+
+def test_bad_cpu_gemm_setting_stops_the_launcher(refused_launches):
+    _refused_naming(refused_launches["bad gemm setting"], "SGLANG_DART_CPU_SKINNY_GEMM='fastest'")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dart.server_process import SglangServer, dart_flags
+from sglang_dart.server_process import SglangServer, dart_flags, start_together
 from tests.support.dart_assets import build_random_drafter, build_store_for
 
 pytestmark = pytest.mark.server
@@ -28,18 +28,27 @@ def _run(module: str, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def _serve(target: Path, draft: Path, store: Path, log: Path, prompts: list[list[int]]) -> list[dict]:
-    args = [
-        "--dtype", "float32",
-        *dart_flags(draft, store),
-        "--speculative-num-draft-tokens", "8",
-        "--speculative-eagle-topk", "4",
-    ]  # fmt: skip
-    server = SglangServer(target, args, log).start()
+def _serve_each(
+    target: Path, drafts: dict[str, Path], store: Path, logs: Path, prompts: list[list[int]]
+) -> dict[str, list[dict]]:
+    """Each drafter's answers to the prompts, from a DART server of its own; the servers start side by
+    side (a start-up is mostly single-threaded imports)."""
+    servers = {}
+    for name, draft in drafts.items():
+        args = [
+            "--dtype", "float32",
+            *dart_flags(draft, store),
+            "--speculative-num-draft-tokens", "8",
+            "--speculative-eagle-topk", "4",
+        ]  # fmt: skip
+        servers[name] = SglangServer(target, args, logs / f"pipeline-{name}.log")
     try:
-        return server.generate_many(prompts, {"max_new_tokens": 32, "temperature": 0.0}, concurrency=8)
+        start_together(servers.values())
+        params = {"max_new_tokens": 32, "temperature": 0.0}
+        return {name: srv.generate_many(prompts, params, concurrency=8) for name, srv in servers.items()}
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 def _mean_accepted(outputs: list[dict]) -> float:
@@ -74,12 +83,13 @@ def test_generate_train_serve(tiny_qwen3_dir, tmp_path, server_logs):
     store = build_store_for(tiny_qwen3_dir, tmp_path / "stdlib.store")
     prompts = [r["input_ids"][: r["prompt_len"]] for r in rows[:32]]
     expected = [r["input_ids"][r["prompt_len"] : r["prompt_len"] + 32] for r in rows[:32]]
-    trained = _serve(tiny_qwen3_dir, draft, store, server_logs / "pipeline-trained.log", prompts)
+    untrained = build_random_drafter(tmp_path / "random", tiny_qwen3_dir, draft_length=3)
+    drafts = {"trained": draft, "random": untrained}
+    answers = _serve_each(tiny_qwen3_dir, drafts, store, server_logs, prompts)
+    trained, baseline = answers["trained"], answers["random"]
     for out, want in zip(trained, expected, strict=True):
         assert out["output_ids"] == want[: len(out["output_ids"])]
         assert len(out["output_ids"]) == len(want)
-    untrained = build_random_drafter(tmp_path / "random", tiny_qwen3_dir, draft_length=3)
-    baseline = _serve(tiny_qwen3_dir, untrained, store, server_logs / "pipeline-random.log", prompts)
     tau_trained, tau_random = _mean_accepted(trained), _mean_accepted(baseline)
     assert tau_trained > 1.3 and tau_trained > tau_random + 0.2, (tau_trained, tau_random)
 
@@ -131,13 +141,14 @@ def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp
     assert not _server_pids() - before, "the generate server outlived its command"
 
 
-def test_generate_with_magpie_prompts_resumes_where_it_stopped(tiny_qwen3_dir, tmp_path):
+def test_generate_with_magpie_prompts_resumes_where_it_stopped(tiny_llama_dir, tiny_server, tmp_path):
     """`--magpie`: user turns sampled from the target join the pool's prompts; the prompt list is saved,
-    and a run started again after an interruption answers only what its partial output lacks."""
+    and a run started again after an interruption answers only what its partial output lacks. Both runs
+    use a server that is already up (`--server-url`), as a run resumed on a serving machine would."""
     out = tmp_path / "data.jsonl"
     cmd = (
-        "--target", str(tiny_qwen3_dir), "--out", str(out), "--num-prompts", "5", "--magpie", "4",
-        "--max-new-tokens", "8", "--concurrency", "4", "--dtype", "float32",
+        "--target", str(tiny_llama_dir), "--out", str(out), "--num-prompts", "5", "--magpie", "4",
+        "--max-new-tokens", "8", "--concurrency", "4", "--server-url", tiny_server.url,
     )  # fmt: skip
     first = _run("sglang_dart.train.generate", *cmd)
     assert "magpie: " in first.stderr and "prompts written by the target" in first.stderr, first.stderr
@@ -159,9 +170,11 @@ def test_generate_with_magpie_prompts_resumes_where_it_stopped(tiny_qwen3_dir, t
     resumed = [json.loads(line) for line in out.read_text().splitlines()]
     assert resumed[:3] == rows[:3] and sorted(r["prompt"] for r in resumed) == sorted(prompts)
     assert f"wrote {len(prompts)} conversations" in second.stdout
+    assert not (tmp_path / "generate-server.log").exists()  # no server of its own
+    assert tiny_server.healthy()  # and the one it used is still serving
 
 
-def test_generate_answers_chat_files_after_their_last_user_turn(tiny_qwen3_dir, tmp_path):
+def test_generate_answers_chat_files_after_their_last_user_turn(tiny_llama_dir, tiny_server, tmp_path):
     """`generate --prompts` with OpenAI and ShareGPT rows: each answer follows the chat-templated turns up
     to the last user turn, greedy, as the target answers that conversation itself."""
     from transformers import AutoTokenizer
@@ -185,11 +198,11 @@ def test_generate_answers_chat_files_after_their_last_user_turn(tiny_qwen3_dir, 
     data = tmp_path / "data.jsonl"
     _run(
         "sglang_dart.train.generate",
-        "--target", str(tiny_qwen3_dir), "--out", str(data), "--prompts", str(prompts),
-        "--max-new-tokens", "8", "--concurrency", "2", "--dtype", "float32",
+        "--target", str(tiny_llama_dir), "--out", str(data), "--prompts", str(prompts),
+        "--max-new-tokens", "8", "--concurrency", "2", "--server-url", tiny_server.url,
     )  # fmt: skip
     rows = [json.loads(line) for line in data.read_text().splitlines()]
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     assert [r["prompt"] for r in rows] == ["import os", "class A:"]
     # Each row records its conversation's turns (what `--follow-ups` continues from).
     assert rows[0]["messages"] == turns

@@ -1,5 +1,6 @@
 """`sglang.Engine(**kwargs)`, the offline entry point, run in a process of its own (it spawns its scheduler
-processes and must be built under `if __name__ == "__main__"`); the test side calls `run_engine`."""
+processes and must be built under `if __name__ == "__main__"`); the test side calls `run_engine`, or
+`run_engines` for several engines one after the other in one process (SGLang's imports paid once)."""
 
 from __future__ import annotations
 
@@ -10,30 +11,37 @@ from typing import Any
 
 _RESULT, _ERROR = "RESULT ", "ERROR "
 
+EngineJob = tuple[dict[str, Any], list[str], dict[str, Any]]  # Engine kwargs, prompts, sampling params
+
 
 def run_engine(
     engine_kwargs: dict[str, Any], prompts: list[str], sampling_params: dict[str, Any], timeout: float = 600
 ) -> list[dict[str, Any]] | str:
     """Each prompt's {"output_ids", "meta_info"} from one `Engine.generate` call, or the message of the
     exception the Engine's construction raised (a refused configuration)."""
-    job = json.dumps({"engine": engine_kwargs, "prompts": prompts, "sampling_params": sampling_params})
+    return run_engines([(engine_kwargs, prompts, sampling_params)], timeout)[0]
+
+
+def run_engines(jobs: list[EngineJob], timeout: float = 900) -> list[list[dict[str, Any]] | str]:
+    """`run_engine`'s result for each job, its engine built after the previous one shut down."""
+    payload = json.dumps([{"engine": e, "prompts": p, "sampling_params": s} for e, p, s in jobs])
     done = subprocess.run(
-        [sys.executable, __file__, job], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, __file__, payload], capture_output=True, text=True, timeout=timeout, check=False
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for line in done.stdout.splitlines():
-        if line.startswith(_RESULT):
-            return json.loads(line[len(_RESULT) :])
-        if line.startswith(_ERROR):
-            return json.loads(line[len(_ERROR) :])
     output = done.stdout[-3000:] + done.stderr[-3000:]
-    raise AssertionError("the engine process printed no result:\n" + output)
+    assert done.returncode == 0, output
+    results = []
+    for line in done.stdout.splitlines():
+        for mark in (_RESULT, _ERROR):
+            if line.startswith(mark):
+                results.append(json.loads(line[len(mark) :]))
+    assert len(results) == len(jobs), f"{len(results)} results for {len(jobs)} engines:\n{output}"
+    return results
 
 
-def _main() -> None:
+def _run_one(job: dict[str, Any]) -> None:
     import sglang
 
-    job = json.loads(sys.argv[1])
     try:
         engine = sglang.Engine(**job["engine"])
     except Exception as exc:  # noqa: BLE001 - reported to the test, which checks the message
@@ -48,4 +56,5 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    for one in json.loads(sys.argv[1]):
+        _run_one(one)

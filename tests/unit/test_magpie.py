@@ -299,3 +299,24 @@ def test_stop_ids_include_the_templates_end_of_turn_when_not_marked_special(tmp_
     assert end in stop_token_ids(tokenizer, target)  # from the template alone (no config.json here)
     (target / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
     assert {7, 9, end} <= stop_token_ids(tokenizer, target)
+
+
+@pytest.mark.parametrize("given", ["nothing listening", "a server flag too"])
+def test_generate_refuses_a_server_url_it_cannot_use_before_writing_anything(tmp_path, capsys, given):
+    from sglang_dart.server_process import free_port
+    from sglang_dart.train.generate import main
+
+    target = tmp_path / "target"
+    build_tokenizer(target)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    flags = {"nothing listening": [], "a server flag too": ["--dtype", "float32"]}[given]
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit):
+        main(["--target", str(target), "--out", str(out), "--num-prompts", "2", "--server-url", url, *flags])
+    err = capsys.readouterr().err
+    expected = {
+        "nothing listening": f"no SGLang server answers /model_info at {url}",
+        "a server flag too": "--dtype",
+    }
+    assert expected[given] in err, err
+    assert not list(tmp_path.glob("out.jsonl*")) and not (tmp_path / "generate-server.log").exists()

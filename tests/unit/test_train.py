@@ -329,3 +329,19 @@ def test_a_bad_soft_weight_is_refused_before_any_work(tmp_path):
         main([*paths, "--soft-weight", "1.5"])
     with pytest.raises(SystemExit, match="DART's loss only"):
         main([*paths, "--format", "eagle3", "--soft-weight", "0.5"])
+
+
+def test_bf16_autocast_is_on_by_default_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    from sglang_dart.dart import settings
+    from sglang_dart.train.__main__ import make_parser
+    from sglang_dart.train.trainer import bf16_autocast_pays
+
+    for amx, avx512_bf16, expected in [(False, False, False), (False, True, True), (True, False, True)]:
+        monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda amx=amx: amx)
+        monkeypatch.setattr(settings, "cpu_has_avx512_bf16", lambda flag=avx512_bf16: flag)
+        assert bf16_autocast_pays() is expected
+    paths = ["--target", "t", "--data", "d.jsonl", "--out", "o"]
+    parser = make_parser()
+    assert parser.parse_args(paths).bf16 is None  # main() resolves it with bf16_autocast_pays()
+    assert parser.parse_args([*paths, "--bf16"]).bf16 is True
+    assert parser.parse_args([*paths, "--no-bf16"]).bf16 is False
