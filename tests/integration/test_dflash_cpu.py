@@ -3,8 +3,9 @@ with a drafter trained here by `python -m sglang_dart.train --format dflash`: it
 decoding token for token (float32, 50 prompts, concurrency 8; 1 too in the nightly run), and drafts are
 really accepted.
 
-The drafter is trained for 200 steps (about a minute on 2 idle cores, 3 at most) on the plain server's own
-greedy answers to the test prompts, so that it accepts enough for the accept path (several tokens committed
+The drafter is trained for 200 steps in float32 (about a minute on 2 idle cores; a step count, not a time
+budget, so that a slow machine gets the same drafter) on the plain server's own greedy answers to the test
+prompts, so that it accepts enough for the accept path (several tokens committed
 per verify step) to be exercised. Block size: 4 (anchor token + 3 drafts per verify step)."""
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def dflash_drafter(smollm2_f32_dir, chat_prompts, plain_answers, tmp_path_factor
     command = [
         sys.executable, "-m", "sglang_dart.train", "--format", "dflash", "--target", str(smollm2_f32_dir),
         "--data", str(data), "--out", str(root / "draft"), "--dflash-block-size", str(BLOCK),
-        "--max-steps", "200", "--max-minutes", "3", "--sequences-per-step", "1", "--anchors", "64",
+        "--max-steps", "200", "--sequences-per-step", "1", "--anchors", "64",
         "--lr", "3e-3", "--no-bf16", "--holdout", "0",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
