@@ -28,7 +28,7 @@ from sglang_dart.server_process import (
     SglangServer,
     dart_flags,
     default_device_args,
-    start_together,
+    serving,
     stop_servers_on_sigterm,
 )
 
@@ -149,13 +149,8 @@ def _servers(
         name: SglangServer(model, [*args, "--dtype", dtype], logs / f"{name}.log")
         for name, args in flags.items()
     }
-    try:
-        if default_device_args():
-            start_together(servers.values())
+    with serving(servers, start=bool(default_device_args())):
         yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
 
 
 def _answer(server: SglangServer, *, prompt: str, max_tokens: int, echo: bool) -> Answer:

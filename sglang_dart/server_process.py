@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -272,6 +273,19 @@ def start_together(servers: Iterable[SglangServer]) -> None:
         for server in servers:
             server.stop()
         raise
+
+
+@contextmanager
+def serving(servers: dict[str, SglangServer], start: bool = True) -> Iterator[dict[str, SglangServer]]:
+    """The servers, started side by side (`start=False`: the caller starts each when it needs it), all
+    stopped on the way out."""
+    try:
+        if start:
+            start_together(servers.values())
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def run_launcher(

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_dart.server_process import SglangServer, device_flag, free_port, run_launcher, start_together
+from sglang_dart.dart.settings import TREE_SIZES_ENV
+from sglang_dart.server_process import (
+    SglangServer,
+    device_flag,
+    free_port,
+    run_launcher,
+    serving,
+    start_together,
+)
 from tests.support.dart_assets import build_random_drafter, build_store_for
 from tests.support.dart_serving import (
     SEED,
@@ -50,10 +58,8 @@ def qwen3_dart_servers(tiny_qwen3_dir, qwen3_assets, server_logs) -> Iterator[di
             tiny_qwen3_dir, [*args, "--disable-overlap-schedule"], server_logs / "qwen3-dart-sync.log"
         ),
     }
-    start_together(servers.values())
-    yield servers
-    for server in servers.values():
-        server.stop()
+    with serving(servers):
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +85,7 @@ def _bf16_config_copy(model: Path, out: Path) -> Path:
 def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_model: Path) -> dict:
     """DART servers that each differ from qwen3_dart in one setting: name -> (model, args, env, log)."""
     base = [*dart_server_args(*qwen3_assets), *SEED]
-    unset_tuning = {"SGLANG_DART_TREE_SIZES": None, "GOMP_SPINCOUNT": None}  # the defaults are under test
+    unset_tuning = {TREE_SIZES_ENV: None, "GOMP_SPINCOUNT": None}  # the defaults are under test
     return {
         "no-chains": (tiny_qwen3_dir, base, {"SGLANG_DART_CONTEXT_NODES": "0"}, "qwen3-dart-no-chains"),
         "retract": (tiny_qwen3_dir, base, {"SGLANG_TEST_RETRACT": "1"}, "qwen3-dart-retract"),
@@ -89,7 +95,7 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
             unset_tuning,
             "qwen3-bf16-default-sizes",
         ),
-        "root-only": (tiny_qwen3_dir, base, {"SGLANG_DART_TREE_SIZES": "1:1"}, "qwen3-root-only"),
+        "root-only": (tiny_qwen3_dir, base, {TREE_SIZES_ENV: "1:1"}, "qwen3-root-only"),
         "chunked": (tiny_qwen3_dir, [*base, "--chunked-prefill-size", "16"], None, "qwen3-dart-chunked"),
     }
 

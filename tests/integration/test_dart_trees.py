@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_dart.server_process import SglangServer, default_engine_kwargs, start_together
+from sglang_dart.dart.settings import TREE_SIZES_ENV
+from sglang_dart.server_process import SglangServer, default_engine_kwargs, serving
 from tests.support.dart_assets import build_random_drafter, build_store_from_ids
 from tests.support.dart_serving import (
     SEED,
@@ -62,10 +63,8 @@ def accepting_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator
         name: SglangServer(tiny_qwen3_dir, args, server_logs / f"{log}.log")
         for name, (args, log) in variants.items()
     }
-    start_together(servers.values())
-    yield servers
-    for server in servers.values():
-        server.stop()
+    with serving(servers):
+        yield servers
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "sync"])
@@ -205,12 +204,8 @@ def feature_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[d
         name: SglangServer(tiny_qwen3_dir, [*args, *flag], server_logs / f"qwen3-{name}-features.log")
         for name, args in (("plain", plain), ("dart", own_store_assets[2]))
     }
-    try:
-        start_together(servers.values())
+    with serving(servers):
         yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
 
 
 def _both(servers: dict[str, SglangServer], bodies: list[dict]) -> dict[str, list[dict]]:
@@ -285,7 +280,6 @@ def test_penalties_apply_per_tree_node(feature_servers, own_store_assets):
     assert sum(changed) >= len(penalized_) // 2, changed  # the penalties are strong enough to matter
 
 
-TREE_SIZES = "SGLANG_DART_TREE_SIZES"
 _DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?accept len: ([\d.]+)")
 
 
@@ -326,13 +320,11 @@ def schedule_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[
         "guarded default": (None, "qwen3-tree-sizes-guarded-default"),
     }
     servers = {
-        name: SglangServer(tiny_qwen3_dir, args, server_logs / f"{log}.log", env={TREE_SIZES: value})
+        name: SglangServer(tiny_qwen3_dir, args, server_logs / f"{log}.log", env={TREE_SIZES_ENV: value})
         for name, (value, log) in schedules.items()
     }
-    start_together(servers.values())
-    yield servers
-    for server in servers.values():
-        server.stop()
+    with serving(servers):
+        yield servers
 
 
 def test_tree_size_follows_the_batch_size(own_store_assets, schedule_servers):

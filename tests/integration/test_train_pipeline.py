@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dart.server_process import SglangServer, dart_flags, start_together
+from sglang_dart.server_process import SglangServer, dart_flags, serving
 from tests.support.dart_assets import build_random_drafter, build_store_for
 
 pytestmark = pytest.mark.server
@@ -42,13 +42,9 @@ def _serve_each(
             "--speculative-eagle-topk", "4",
         ]  # fmt: skip
         servers[name] = SglangServer(target, args, logs / f"pipeline-{name}.log")
-    try:
-        start_together(servers.values())
-        params = {"max_new_tokens": 32, "temperature": 0.0}
+    params = {"max_new_tokens": 32, "temperature": 0.0}
+    with serving(servers):
         return {name: srv.generate_many(prompts, params, concurrency=8) for name, srv in servers.items()}
-    finally:
-        for server in servers.values():
-            server.stop()
 
 
 def _mean_accepted(outputs: list[dict]) -> float:
