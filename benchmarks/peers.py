@@ -30,7 +30,7 @@ def default_args() -> list[str]:
     return [
         "--draft", str(draft), "--store", str(store),
         "--batch-sizes", "1", "4", "16", "64",
-        "--new-tokens", "64", "--length-spread", "0.5", "--repeats", "2", "--dtype", "bfloat16",
+        "--new-tokens", "64", "--length-spread", "0.5", "--repeats", "2",
         "--png", str(RESULTS / "peers.png"),
     ]  # fmt: skip
 

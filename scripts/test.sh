@@ -8,4 +8,6 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 cargo test --workspace --release
 # The slowest tests are listed at the end: CI time is budgeted (60 min), and this shows where it goes.
-.venv/bin/python -m pytest -q --durations=15 tests "$@"
+# Two workers: the server tests (in file order, on one) keep about one core busy, so the unit tests run on the
+# other (tests/conftest.py groups them).
+.venv/bin/python -m pytest -q --durations=15 -n 2 --dist loadgroup tests "$@"

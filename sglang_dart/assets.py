@@ -68,6 +68,8 @@ def smollm2_dir(dtype: str = "bfloat16") -> Path:
     try:
         _convert_gguf(gguf, tmp, dtype)
         (tmp / _MARKER).write_text(stamp)
+        if marker.is_file() and marker.read_text() == stamp:
+            return target  # another process converted it meanwhile, and may be reading it: keep theirs
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)
         try:

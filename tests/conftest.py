@@ -96,7 +96,14 @@ def smollm2_plain_answers(
     return [out["output_ids"] for out in outs]
 
 
-@pytest.fixture(scope="session")
-def smollm2_ngram_server(smollm2_f32_dir: Path, server_logs: Path) -> Iterator[SglangServer]:
-    args = ["--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
-    yield from _serve(smollm2_f32_dir, args, server_logs / "smollm2-ngram.log")
+# tryfirst: xdist reads the groups in its own collection hook.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/test.sh) every server test goes to one worker, in
+    file order, and the unit tests run on the other, with the `standalone` server tests (they share no
+    server). The server tests share session servers and keep about one core busy; two workers of them would
+    each start their own and hold twice the memory (16 GB at the peak for one)."""
+    servers = pytest.mark.xdist_group("servers")
+    for item in items:
+        if "integration" in item.path.parts and item.get_closest_marker("standalone") is None:
+            item.add_marker(servers)

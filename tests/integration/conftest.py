@@ -10,6 +10,15 @@ import pytest
 
 from sglang_dart.server_process import SglangServer
 from tests.support.dart_serving import SEED
+from tests.support.peer_training import (
+    DFLASH_ANSWER_TOKENS,
+    DFLASH_FLAGS,
+    EAGLE3_ANSWER_TOKENS,
+    EAGLE3_FLAGS,
+    Trained,
+    Training,
+    train_side_by_side,
+)
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +28,22 @@ def qwen3_plain(tiny_qwen3_dir, server_logs) -> Iterator[SglangServer]:
     ).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def peer_drafters(
+    smollm2_f32_dir, smollm2_chat_prompts, smollm2_plain_answers, tmp_path_factory
+) -> dict[str, Trained]:
+    """The EAGLE3 and DFLASH drafters of test_eagle3_cpu.py and test_dflash_cpu.py, trained side by side
+    (one core each) on the plain server's own greedy answers to the test prompts: the cheapest drafters that
+    get accepted often, so the accept path (not only rejections) is exercised. Each module checks its own."""
+
+    def rows(tokens: int) -> list[list[int]]:
+        pairs = zip(smollm2_chat_prompts, smollm2_plain_answers, strict=True)
+        return [prompt + answer[:tokens] for prompt, answer in pairs]
+
+    trainings = [
+        Training("eagle3", EAGLE3_FLAGS, rows(EAGLE3_ANSWER_TOKENS)),
+        Training("dflash", DFLASH_FLAGS, rows(DFLASH_ANSWER_TOKENS)),
+    ]
+    return train_side_by_side(smollm2_f32_dir, trainings, tmp_path_factory.mktemp("peer-drafters"))

@@ -379,6 +379,7 @@ def _dart_argv(model: Path, draft: Path | None, store: Path | None, extra: list[
     return args
 
 
+@pytest.mark.standalone
 def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_assets, tmp_path):
     draft, store = qwen3_assets
     corrupt = tmp_path / "corrupt.store"

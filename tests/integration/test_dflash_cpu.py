@@ -3,16 +3,14 @@ with a drafter trained here by `python -m sglang_dart.train --format dflash`: it
 decoding token for token (float32, 50 prompts, concurrency 8; 1 too in the nightly run), and drafts are
 really accepted.
 
-The drafter is trained for 200 steps in float32 (about a minute on 2 idle cores; a step count, not a time
-budget, so that a slow machine gets the same drafter) on the plain server's own greedy answers to the test
-prompts, so that it accepts enough for the accept path (several tokens committed
-per verify step) to be exercised. Block size: 4 (anchor token + 3 drafts per verify step)."""
+The drafter is trained here, beside the EAGLE3 module's (`peer_drafters`, tests/support/peer_training.py):
+200 steps in float32 on the plain server's own greedy answers to the test prompts, so that it accepts enough
+for the accept path (several tokens committed per verify step) to be exercised. Blocks of 4."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from sglang_dart.server_process import SglangServer
+from tests.support.peer_training import DFLASH_ANSWER_TOKENS, DFLASH_BLOCK
 
 pytestmark = pytest.mark.server
 
-NEW_TOKENS = 24
-BLOCK = 4
+NEW_TOKENS = DFLASH_ANSWER_TOKENS
+BLOCK = DFLASH_BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +37,12 @@ def plain_answers(smollm2_plain_answers) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def dflash_drafter(smollm2_f32_dir, chat_prompts, plain_answers, tmp_path_factory) -> Path:
-    """Trained through the CLI on the target's own answers (prompt + answer ids per row)."""
-    root = tmp_path_factory.mktemp("dflash-smollm2")
-    data = root / "answers.jsonl"
-    rows = [{"input_ids": p + a} for p, a in zip(chat_prompts, plain_answers, strict=True)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    command = [
-        sys.executable, "-m", "sglang_dart.train", "--format", "dflash", "--target", str(smollm2_f32_dir),
-        "--data", str(data), "--out", str(root / "draft"), "--dflash-block-size", str(BLOCK),
-        "--max-steps", "200", "--sequences-per-step", "1", "--anchors", "64",
-        "--lr", "3e-3", "--no-bf16", "--holdout", "0",
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "top-1 by row" in done.stdout and "ETA" in done.stdout, done.stdout  # progress while training
-    return root / "draft"
+def dflash_drafter(peer_drafters) -> Path:
+    """Trained through the CLI beside the EAGLE3 module's drafter (`peer_drafters`)."""
+    trained = peer_drafters["dflash"]
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "top-1 by row" in trained.stdout and "ETA" in trained.stdout, trained.stdout[-2000:]  # progress
+    return trained.out
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +112,12 @@ def refused_drafters(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
     return {name: result.stdout + result.stderr for name, result in results.items()}
 
 
+@pytest.mark.standalone
 def test_mask_id_outside_the_vocabulary_stops_the_server(refused_drafters):
     assert "DFLASH mask_token_id is outside the target vocab size" in refused_drafters["mask outside"]
 
 
+@pytest.mark.standalone
 def test_drafter_of_another_target_stops_the_server(refused_drafters):
     output = refused_drafters["another target"]
     assert "the DFLASH draft checkpoint was made for another target model: hidden_size" in output

@@ -3,29 +3,23 @@
 SmolLM2-135M, 50 prompts, eight requests in flight; one at a time too in the nightly run), and drafts really
 get accepted.
 
-The drafter is trained here, for 60 steps in float32, on the plain server's own answers to the test
-prompts: the cheapest drafter that gets accepted often, so the accept path (not only rejections) is
-exercised. A step count, not a time budget: CI stopped at one minute on an AVX2-only machine where bf16
-autocast was emulated, after 9 steps, and its drafter fell under the acceptance floor (1.15 tokens per
-verify step). In float32 that machine trains 75 steps a minute: 50 steps reach 0.71 / 0.62 / 0.53 top-1
-by step, and 90 steps gave 3.39 tokens per verify step here."""
+The drafter is trained here, beside the DFLASH module's (`peer_drafters`, tests/support/peer_training.py):
+60 steps in float32 on the plain server's own answers to the test prompts."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sglang_dart.server_process import SglangServer, default_device_args
+from tests.support.peer_training import EAGLE3_ANSWER_TOKENS
 
 pytestmark = pytest.mark.server
 
-NEW_TOKENS = 32
+NEW_TOKENS = EAGLE3_ANSWER_TOKENS
 # EAGLE3 settings that run on the CPU engine: a chain (topk 1) of 3 drafted tokens, verified with the
 # bonus token as a tree of 4. Wider trees (topk > 1) also build, but a chain costs least per step on CPU.
 EAGLE3_ARGS = [
@@ -51,49 +45,13 @@ def plain_answers(smollm2_plain_answers) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def eagle3_draft(smollm2_f32_dir, prompts, plain_answers, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("eagle3")
-    data = root / "answers.jsonl"
-    data.write_text(
-        "".join(json.dumps({"input_ids": p + a}) + "\n" for p, a in zip(prompts, plain_answers, strict=True))
-    )
-    out = root / "draft"
-    command = [
-        sys.executable,
-        "-m",
-        "sglang_dart.train",
-        "--format",
-        "eagle3",
-        "--target",
-        str(smollm2_f32_dir),
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--target-dtype",
-        "float32",
-        "--draft-vocab-size",
-        "2048",
-        "--eagle3-ttt-steps",
-        "3",
-        "--eagle3-window",
-        "96",
-        "--lr",
-        "3e-3",
-        "--max-steps",
-        "60",
-        "--no-bf16",
-        "--holdout",
-        "0",
-    ]
-    # One torch thread: on a loaded 2-core machine two OpenMP threads ran the target 17x slower.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "top-1 by step" in done.stdout, done.stdout[-2000:]
-    report = json.loads((out / "train_report.json").read_text())
+def eagle3_draft(peer_drafters) -> Path:
+    trained = peer_drafters["eagle3"]
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "top-1 by step" in trained.stdout, trained.stdout[-2000:]
+    report = json.loads((trained.out / "train_report.json").read_text())
     assert report["format"] == "eagle3" and report["steps"] == 60
-    return out
+    return trained.out
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,26 @@ output equals the non-speculative greedy output token for token."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sglang_dart.server_process import SglangServer, serving
 from tests.support.prompts import ALL_PROMPTS, chat_ids
 
 pytestmark = pytest.mark.server
 
 NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def smollm2_ngram_server(smollm2_f32_dir, server_logs) -> Iterator[SglangServer]:
+    """Stopped with this module (a SmolLM2 server holds about 5 GB)."""
+    args = ["--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    server = SglangServer(smollm2_f32_dir, args, server_logs / "smollm2-ngram.log")
+    with serving({"ngram": server}):
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,7 @@ def test_frontend_program(tiny_server):
     assert state["answer"] == direct["text"]
 
 
+@pytest.mark.standalone
 def test_server_starts_again_when_its_port_is_taken(tiny_llama_dir, server_logs):
     """The HTTP port can be taken between its choice and uvicorn's bind, which then leaves the server neither
     serving nor exiting: start() must see it and start again on another port, not wait out its timeout."""

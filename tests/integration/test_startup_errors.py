@@ -10,7 +10,7 @@ import pytest
 
 from sglang_dart.server_process import device_flag, free_port, run_launcher
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.standalone]
 
 
 @pytest.fixture(scope="module")
