@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dart.server_process import SglangServer
+from sglang_dart.server_process import SglangServer, serving
 from tests.support.tiny_models import build_tiny_model
 
 # The servers must start with nothing set by hand: the package alone switches SGLang to its CPU engine.
@@ -63,11 +63,6 @@ def tiny_server(tiny_llama_dir: Path, server_logs: Path) -> Iterator[SglangServe
     yield from _serve(tiny_llama_dir, ["--dtype", "float32"], server_logs / "tiny.log")
 
 
-@pytest.fixture(scope="session")
-def smollm2_server(smollm2_f32_dir: Path, server_logs: Path) -> Iterator[SglangServer]:
-    yield from _serve(smollm2_f32_dir, ["--dtype", "float32"], server_logs / "smollm2.log")
-
-
 # The SmolLM2 speculative modules (DART, EAGLE3, DFLASH) check the same 50 chat prompts against one set of
 # plain answers: the longest any of them needs; a module that decodes fewer tokens compares with a prefix
 # (greedy decoding's first n tokens do not depend on max_new_tokens).
@@ -88,11 +83,14 @@ def smollm2_chat_prompts(smollm2_f32_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def smollm2_plain_answers(
-    smollm2_server: SglangServer, smollm2_chat_prompts: list[list[int]]
+    smollm2_f32_dir: Path, smollm2_chat_prompts: list[list[int]], server_logs: Path
 ) -> list[list[int]]:
-    """The plain server's greedy answers (SMOLLM2_PLAIN_TOKENS tokens at most) to smollm2_chat_prompts."""
+    """A plain server's greedy answers (SMOLLM2_PLAIN_TOKENS tokens at most) to smollm2_chat_prompts. The
+    server stops once they are in: a SmolLM2 server holds about 5.6 GB, which the later modules need."""
     params = {"max_new_tokens": SMOLLM2_PLAIN_TOKENS, "temperature": 0.0}
-    outs = smollm2_server.generate_many(smollm2_chat_prompts, params, concurrency=8)
+    plain = SglangServer(smollm2_f32_dir, ["--dtype", "float32"], server_logs / "smollm2.log")
+    with serving({"plain": plain}):
+        outs = plain.generate_many(smollm2_chat_prompts, params, concurrency=8)
     return [out["output_ids"] for out in outs]
 
 
@@ -100,9 +98,9 @@ def smollm2_plain_answers(
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/test.sh) every server test goes to one worker, in
-    file order, and the unit tests run on the other, with the `standalone` server tests (they share no
-    server). The server tests share session servers and keep about one core busy; two workers of them would
-    each start their own and hold twice the memory (16 GB at the peak for one)."""
+    file order, and the unit tests run on the other, with the `standalone` server tests (launcher refusals,
+    the port race: they share no server). The shared-server tests keep about one core busy; two workers of
+    them would each start their own servers and hold twice the memory (about 17 GB at the peak for one)."""
     servers = pytest.mark.xdist_group("servers")
     for item in items:
         if "integration" in item.path.parts and item.get_closest_marker("standalone") is None:

@@ -17,12 +17,17 @@ NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def smollm2_ngram_server(smollm2_f32_dir, server_logs) -> Iterator[SglangServer]:
-    """Stopped with this module (a SmolLM2 server holds about 5 GB)."""
-    args = ["--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
-    server = SglangServer(smollm2_f32_dir, args, server_logs / "smollm2-ngram.log")
-    with serving({"ngram": server}):
-        yield server
+def smollm2_servers(smollm2_f32_dir, server_logs) -> Iterator[dict[str, SglangServer]]:
+    """A plain and an NGRAM server, started side by side and stopped with this module (a SmolLM2 server
+    holds about 5.6 GB)."""
+    plain = ["--dtype", "float32"]
+    ngram = [*plain, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    servers = {
+        "plain": SglangServer(smollm2_f32_dir, plain, server_logs / "smollm2-plain-vs-ngram.log"),
+        "ngram": SglangServer(smollm2_f32_dir, ngram, server_logs / "smollm2-ngram.log"),
+    }
+    with serving(servers):
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,8 @@ def tokenizer(smollm2_f32_dir):
     return AutoTokenizer.from_pretrained(smollm2_f32_dir)
 
 
-def test_ngram_greedy_equals_plain_greedy(smollm2_server, smollm2_ngram_server, tokenizer):
+def test_ngram_greedy_equals_plain_greedy(smollm2_servers, tokenizer):
+    smollm2_server, smollm2_ngram_server = smollm2_servers["plain"], smollm2_servers["ngram"]
     prompts = [chat_ids(tokenizer, p) for p in ALL_PROMPTS]
     with ThreadPoolExecutor(max_workers=4) as pool:  # batches of up to 4 in the speculative server
         speculative = list(
