@@ -56,26 +56,26 @@ class Trained:
 def train_side_by_side(target: Path, trainings: list[Training], root: Path) -> dict[str, Trained]:
     """Run every training at once, in float32, with no held-out slice; name -> its result."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    running = {}
-    for job in trainings:
-        work = root / job.name
-        work.mkdir(parents=True, exist_ok=True)
-        data = work / "answers.jsonl"
-        data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in job.rows))
-        command = [
-            sys.executable, "-m", "sglang_dart.train", "--target", str(target), "--data", str(data),
-            "--out", str(work / "draft"), "--no-bf16", "--holdout", "0", *job.flags,
-        ]  # fmt: skip
-        # Output goes to files: a pipe left unread while the other training is awaited would stall this one.
-        with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
-            running[job.name] = (subprocess.Popen(command, stdout=out, stderr=err, env=env), work)
+    running: dict[str, tuple[subprocess.Popen, Path]] = {}
     results = {}
     try:
+        for job in trainings:
+            work = root / job.name
+            work.mkdir(parents=True, exist_ok=True)
+            data = work / "answers.jsonl"
+            data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in job.rows))
+            command = [
+                sys.executable, "-m", "sglang_dart.train", "--target", str(target), "--data", str(data),
+                "--out", str(work / "draft"), "--no-bf16", "--holdout", "0", *job.flags,
+            ]  # fmt: skip
+            # Output goes to files: a pipe left unread while another training is awaited would stall it.
+            with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
+                running[job.name] = (subprocess.Popen(command, stdout=out, stderr=err, env=env), work)
         for name, (proc, work) in running.items():
             proc.wait(timeout=TIMEOUT_S)
             stdout, stderr = (work / "stdout.txt").read_text(), (work / "stderr.txt").read_text()
             results[name] = Trained(work / "draft", stdout, stderr, proc.returncode)
-    finally:
+    finally:  # a failed launch or a timeout leaves no training behind
         for proc, _ in running.values():
             if proc.poll() is None:
                 proc.kill()
