@@ -50,17 +50,11 @@ def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("server-logs")
 
 
-def _serve(model: Path, args: list[str], log: Path) -> Iterator[SglangServer]:
-    server = SglangServer(model, args, log).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama_dir: Path, server_logs: Path) -> Iterator[SglangServer]:
-    yield from _serve(tiny_llama_dir, ["--dtype", "float32"], server_logs / "tiny.log")
+    server = SglangServer(tiny_llama_dir, ["--dtype", "float32"], server_logs / "tiny.log")
+    with serving({"tiny": server}):
+        yield server
 
 
 # The SmolLM2 speculative modules (DART, EAGLE3, DFLASH) check the same 50 chat prompts against one set of
