@@ -31,6 +31,7 @@ learns from every answer it serves, so it gets a fresh server per batch size and
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import statistics
@@ -160,6 +161,18 @@ def peer_configs(
     return configs
 
 
+def _synchronous_already(extra: list[str], env: dict[str, str]) -> bool:
+    """Whether a server runs without overlap scheduling as configured: DART on a CPU (`settings`), unless
+    its environment sets SGLANG_DART_CPU_OVERLAP=1. A --sync copy of it would measure the same server."""
+    import torch
+
+    from sglang_dart.dart.settings import CPU_OVERLAP_ENV
+
+    is_dart = "DART" in extra
+    overlap = {**os.environ, **env}.get(CPU_OVERLAP_ENV) == "1"
+    return is_dart and not torch.cuda.is_available() and not overlap
+
+
 def dart_parser(doc: str, required: bool = True) -> argparse.ArgumentParser:
     """The options every DART benchmark takes: target (default SmolLM2), drafter and store."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sync",
         action="store_true",
-        help="also a copy of every server but NGRAM without overlap scheduling (--disable-overlap-schedule)",
+        help="also a copy of every server but NGRAM without overlap scheduling (--disable-overlap-schedule); "
+        "not of DART on a CPU, which runs without it there already (unless SGLANG_DART_CPU_OVERLAP=1)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per batch size")
     parser.add_argument("--png", type=Path, help="also plot tokens/s against batch size to this PNG")
@@ -298,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
             configs[f"{name} [{variable}={value}]"] = (extra, {**env, variable: value})
     if args.sync:
         for name, (extra, env) in list(configs.items()):
-            if name != "NGRAM":
+            if name != "NGRAM" and not _synchronous_already(extra, env):
                 configs[f"{name} sync"] = ([*extra, "--disable-overlap-schedule"], env)
     logs = Path(tempfile.mkdtemp(prefix="dart-throughput-"))
 

@@ -77,7 +77,9 @@ class TreeSizeSchedule:
 
 # Defaults when neither the environment nor the drafter's config names a schedule.
 # CPU: measured with SmolLM2-135M on 2 cores (benchmarks/results/throughput.md, run 5, and on an AVX2 EPYC
-# in float32, runs 11-18): trees of 8 win at batch 1-2; from batch 4 on no tree size beat plain decoding.
+# in float32, runs 11-18): trees of 8 win at batch 1-2; trees of 4 and more lose from batch 4 on. Trees of
+# 2 at batch 4 (8 rows, 1.50 tokens per step with the shipped drafter) ran 1.19x plain against 1.11x for
+# root-only steps, 1.23x against 1.09x in CPU time; at batch 8 they tied (run 56): so 2 at batches 4-7.
 # CPU with AMX and a bf16 target: oneDNN computes a linear layer of 8-32 rows at about the cost of one row,
 # so trees win at batches 1-15 (run 20: trees of 16 2.07-2.11x plain at batch 1, of 8 1.41-1.48x at 4, of 4
 # 1.26-1.34x at 8). Run 22: trees of 4 at batch 16 run 0.99-1.09x plain when every answer has the same
@@ -97,7 +99,7 @@ class TreeSizeSchedule:
 # schedule there is the user's call until one is measured.
 CPU_AMX = "cpu-amx"
 CPU_AVX512_BF16 = "cpu-avx512-bf16"
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:1", CPU_AMX: "1:16,4:8,8:4,32:1", CPU_AVX512_BF16: "1:8,8:4"}
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:2,8:1", CPU_AMX: "1:16,4:8,8:4,32:1", CPU_AVX512_BF16: "1:8,8:4"}
 
 
 def default_schedule_key(

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sglang_dart.server_process import SglangServer
+from sglang_dart.server_process import SglangServer, serving
 from tests.support.dart_serving import SEED
 from tests.support.peer_training import (
     DFLASH_ANSWER_TOKENS,
@@ -23,11 +23,9 @@ from tests.support.peer_training import (
 
 @pytest.fixture(scope="session")
 def qwen3_plain(tiny_qwen3_dir, server_logs) -> Iterator[SglangServer]:
-    server = SglangServer(
-        tiny_qwen3_dir, ["--dtype", "float32", *SEED], server_logs / "qwen3-plain.log"
-    ).start()
-    yield server
-    server.stop()
+    server = SglangServer(tiny_qwen3_dir, ["--dtype", "float32", *SEED], server_logs / "qwen3-plain.log")
+    with serving({"qwen3-plain": server}):
+        yield server
 
 
 @pytest.fixture(scope="session")

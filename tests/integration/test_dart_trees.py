@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from sglang_dart.dart.settings import TREE_SIZES_ENV
+from sglang_dart.dart.tree_sizes import default_schedule
 from sglang_dart.server_process import SglangServer, default_engine_kwargs, serving
 from tests.support.dart_assets import build_random_drafter, build_store_from_ids
 from tests.support.dart_serving import (
@@ -346,14 +347,15 @@ def test_tree_size_follows_the_batch_size(own_store_assets, schedule_servers):
 @pytest.mark.parametrize("sizes", ["auto", "guarded default"])
 def test_adaptive_tree_size_stays_lossless(own_store_assets, schedule_servers, sizes):
     """SGLANG_DART_TREE_SIZES=auto measures every candidate size (1, 2, 4, 8) in each batch-size bucket
-    before it settles, and the guarded CPU default its schedule's size against the root alone (float32:
-    trees of 8 below batch 4), so a run whose batch shrinks from 12 to 1 switches between root-only steps
-    (accept length exactly 1) and trees (accept length > 1) many times; every output must still be the
-    target's."""
+    before it settles, and the guarded CPU default its schedule's sizes against the root alone (float32:
+    trees of 8 below batch 4, of 2 at 4-7), so a run whose batch shrinks from 12 to 1 switches between
+    root-only steps (accept length exactly 1) and trees (accept length > 1) many times; every output must
+    still be the target's."""
     prompts, outputs, _ = own_store_assets
     results, log = _staggered_lossless_run(schedule_servers[sizes], prompts, outputs)
-    _check_drafted_counts(results, {1, 2, 4, 8} if sizes == "auto" else {1, 8})
-    expected = "auto" if sizes == "auto" else "1:8,4:1, guarded"
+    default = default_schedule("cpu", 8)  # a float32 target's, on any CPU
+    _check_drafted_counts(results, {1, 2, 4, 8} if sizes == "auto" else {1, *default.sizes})
+    expected = "auto" if sizes == "auto" else f"{default.describe()}, guarded"
     assert f"DART tree size by batch size: {expected}" in log
     taus = [float(tau) for _, tau in _DECODE_LINE.findall(log)]
     assert any(tau == 1.0 for tau in taus) and any(tau > 1.0 for tau in taus), taus

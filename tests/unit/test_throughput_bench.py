@@ -1,6 +1,16 @@
 import pytest
+import torch
 
-from benchmarks.throughput import Measurement, agreement, eagle3_setting, output_lengths, peer_configs
+from benchmarks.throughput import (
+    Measurement,
+    _synchronous_already,
+    agreement,
+    eagle3_setting,
+    output_lengths,
+    peer_configs,
+)
+from sglang_dart.dart.settings import CPU_OVERLAP_ENV
+from sglang_dart.server_process import dart_flags
 
 
 def _run(*outputs: tuple[int, ...]) -> Measurement:
@@ -62,3 +72,15 @@ def test_peer_servers_get_sglangs_own_flags(tmp_path):
     blocks = peer_configs(None, ["3,4,8"], dflash, [4, 8])
     assert list(blocks) == ["DFLASH block 4", "DFLASH block 8"]
     assert blocks["DFLASH block 8"][0][-2:] == ["--speculative-dflash-block-size", "8"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU DART keeps overlap scheduling")
+def test_sync_copies_skip_dart_on_a_cpu_unless_it_overlaps_there(monkeypatch):
+    monkeypatch.delenv(CPU_OVERLAP_ENV, raising=False)
+    dart = dart_flags("draft", "store")
+    assert _synchronous_already(dart, {})  # DART on a CPU: no overlap scheduling to turn off
+    assert not _synchronous_already(dart, {CPU_OVERLAP_ENV: "1"})
+    assert not _synchronous_already([], {})  # plain decoding overlaps by default
+    assert not _synchronous_already(["--speculative-algorithm", "EAGLE3"], {})
+    monkeypatch.setenv(CPU_OVERLAP_ENV, "1")
+    assert not _synchronous_already(dart, {})
