@@ -166,11 +166,10 @@ def _synchronous_already(extra: list[str], env: dict[str, str]) -> bool:
     its environment sets SGLANG_DART_CPU_OVERLAP=1. A --sync copy of it would measure the same server."""
     import torch
 
-    from sglang_dart.dart.settings import CPU_OVERLAP_ENV
+    from sglang_dart.dart.settings import overlap_turned_off
 
-    is_dart = "DART" in extra
-    overlap = {**os.environ, **env}.get(CPU_OVERLAP_ENV) == "1"
-    return is_dart and not torch.cuda.is_available() and not overlap
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "DART" in extra and overlap_turned_off(device, {**os.environ, **env})
 
 
 def dart_parser(doc: str, required: bool = True) -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -318,12 +319,17 @@ def refuse_split_kv_pools(server_args: Any) -> None:
         raise DartArgsError("DART does not support targets with mamba / linear-attention layers yet")
 
 
+def overlap_turned_off(device: str, environ: Mapping[str, str]) -> bool:
+    """Whether DART turns overlap scheduling off: on a CPU, unless SGLANG_DART_CPU_OVERLAP=1."""
+    return device == "cpu" and environ.get(CPU_OVERLAP_ENV) != "1"
+
+
 def handle_server_args(server_args: Any) -> None:
     """Scheduling DART needs: no mixed prefill/decode batches. Overlap scheduling stays as SGLang sets it
     on a GPU (on unless `--disable-overlap-schedule`): the worker tracks each request's tokens itself, so
     SGLang's one-step-late result processing does not affect it (`progress.py`). On a CPU it is off unless
     SGLANG_DART_CPU_OVERLAP=1."""
-    if server_args.device == "cpu" and os.environ.get(CPU_OVERLAP_ENV) != "1":
+    if overlap_turned_off(server_args.device, os.environ):
         server_args.disable_overlap_schedule = True
     server_args.enable_mixed_chunk = False
     if server_args.max_running_requests is None:
