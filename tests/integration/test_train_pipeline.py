@@ -90,14 +90,16 @@ def test_generate_train_serve(tiny_qwen3_dir, tmp_path, server_logs):
     assert tau_trained > 1.3 and tau_trained > tau_random + 0.2, (tau_trained, tau_random)
 
 
-def _server_pids() -> set[int]:
+def _server_pids(model: Path) -> set[int]:
+    """The SGLang servers running `model`: this worker's own test models, so that servers the other pytest
+    worker starts meanwhile do not count."""
     pids = set()
     for proc in Path("/proc").iterdir():
         try:
-            cmdline = (proc / "cmdline").read_bytes()
+            args = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if proc.name.isdigit() and b"sglang.launch_server" in cmdline:
+        if proc.name.isdigit() and b"sglang.launch_server" in args and str(model).encode() in args:
             pids.add(int(proc.name))
     return pids
 
@@ -105,7 +107,7 @@ def _server_pids() -> set[int]:
 def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp_path):
     """SIGTERM mid-run: finished conversations stay in OUT.partial, OUT is never written, the server
     the command started (in a session of its own) is stopped with it and its log stays beside OUT."""
-    before = _server_pids()
+    before = _server_pids(tiny_qwen3_dir)
     out = tmp_path / "data.jsonl"
     partial = tmp_path / "data.jsonl.partial"
     cmd = [
@@ -132,9 +134,9 @@ def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp
     rows = [json.loads(line) for line in partial.read_text().splitlines()]
     assert 2 <= len(rows) < 200 and all(len(r["input_ids"]) > r["prompt_len"] for r in rows)
     deadline = time.monotonic() + 60
-    while _server_pids() - before and time.monotonic() < deadline:
+    while _server_pids(tiny_qwen3_dir) - before and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _server_pids() - before, "the generate server outlived its command"
+    assert not _server_pids(tiny_qwen3_dir) - before, "the generate server outlived its command"
 
 
 def test_generate_with_magpie_prompts_resumes_where_it_stopped(tiny_llama_dir, tiny_server, tmp_path):
