@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.dtype is None:
-        from sglang_dart.demo import resolve_dtype
+        from sglang_dart.dart.settings import resolve_dtype
 
         args.dtype = resolve_dtype("auto")
     stop_servers_on_sigterm()

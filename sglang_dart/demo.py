@@ -23,7 +23,7 @@ from pathlib import Path
 import requests
 
 from sglang_dart.assets import shipped_smollm2_drafter, smollm2_dir
-from sglang_dart.dart.settings import fast_dtype_here
+from sglang_dart.dart.settings import resolve_dtype
 from sglang_dart.server_process import (
     SglangServer,
     dart_flags,
@@ -127,15 +127,6 @@ def main(argv: list[str] | None = None) -> None:
         print("\n\n(now the same prompt with plain decoding, for comparison)", flush=True)
         plain = answer(servers["plain"], echo=False)
     print(report(dart, plain, dtype))
-
-
-def resolve_dtype(choice: str) -> str:
-    """`auto`: the dtype this machine decodes fastest in (`settings.fast_dtype`); others as given."""
-    if choice != "auto":
-        return choice
-    import torch
-
-    return fast_dtype_here("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @contextmanager

@@ -116,6 +116,16 @@ def fast_dtype_here(device: str = "cpu") -> str:
     return fast_dtype(device, cpu_has_amx_bf16(), cpu_has_avx512_bf16())
 
 
+def resolve_dtype(choice: str) -> str:
+    """A `--dtype` choice for the demo and the benchmarks: `auto` is the dtype this machine decodes fastest
+    in (`fast_dtype`, on its GPU if it has one); any other is kept as given."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return fast_dtype_here("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def tree_size_schedule(server_args: Any, target_dtype: Any = None) -> TreeSizeSchedule | AdaptiveTreeSizes:
     """Tree size by batch size, capped at --speculative-num-draft-tokens. The default depends on the
     device and, on a CPU, on the target's dtype (`target_dtype`, the loaded model's; None: --dtype)."""

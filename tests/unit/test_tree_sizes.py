@@ -106,9 +106,7 @@ def test_the_fast_dtype_is_bf16_only_where_bf16_products_are_native():
     assert settings.fast_dtype("cuda", cpu_has_amx=False, cpu_has_avx512_bf16=False) == "bfloat16"
 
 
-def test_the_demos_auto_dtype_follows_this_cpu(monkeypatch):
-    from sglang_dart import demo
-
+def test_the_auto_dtype_follows_this_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for amx, avx512_bf16, expected in (
         (False, False, "float32"),
@@ -117,8 +115,8 @@ def test_the_demos_auto_dtype_follows_this_cpu(monkeypatch):
     ):
         monkeypatch.setattr(settings, "cpu_has_amx_bf16", lambda amx=amx: amx)
         monkeypatch.setattr(settings, "cpu_has_avx512_bf16", lambda v=avx512_bf16: v)
-        assert demo.resolve_dtype("auto") == expected
-    assert demo.resolve_dtype("float32") == "float32" and demo.resolve_dtype("bfloat16") == "bfloat16"
+        assert settings.resolve_dtype("auto") == expected
+    assert settings.resolve_dtype("float32") == "float32" and settings.resolve_dtype("bfloat16") == "bfloat16"
 
 
 def test_the_loaded_targets_dtype_picks_the_default(tmp_path, monkeypatch):
