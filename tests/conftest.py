@@ -88,30 +88,14 @@ def smollm2_plain_answers(
     return [out["output_ids"] for out in outs]
 
 
-# Modules whose servers are tiny models of their own (about 2.4 GB each) and share nothing with the SmolLM2
-# and DART modules: they run on the unit tests' worker once its unit tests are done, beside the other server
-# tests, instead of after them (the suite's critical path).
-TINY_SERVER_MODULES = ("test_engine.py", "test_serving.py", "test_train_pipeline.py")
-
-
 # tryfirst: xdist reads the groups in its own collection hook.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/test.sh) the shared-server tests run on one
-    worker, in file order, and the unit tests on the other, followed there by the tiny-server modules and the
-    `standalone` server tests (launcher refusals, the port race: they share no server). xdist hands out the
-    largest group first, so the unit tests (one group) and the shared-server tests (the next largest) start
-    together on the two workers; the smaller groups and the ungrouped tests go to the first worker free.
-    Two workers of shared-server tests would each start their own servers and hold twice the memory (about
-    17 GB at the peak for one)."""
-    groups = {
-        "unit": pytest.mark.xdist_group("unit"),
-        "servers": pytest.mark.xdist_group("servers"),
-        "tiny-servers": pytest.mark.xdist_group("tiny-servers"),
-    }
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/test.sh) every server test goes to one worker, in
+    file order, and the unit tests run on the other, with the `standalone` server tests (launcher refusals,
+    the port race: they share no server). The shared-server tests keep about one core busy; two workers of
+    them would each start their own servers and hold twice the memory (about 17 GB at the peak for one)."""
+    servers = pytest.mark.xdist_group("servers")
     for item in items:
-        if "integration" not in item.path.parts:
-            item.add_marker(groups["unit"])
-        elif item.get_closest_marker("standalone") is None:
-            tiny = item.path.name in TINY_SERVER_MODULES
-            item.add_marker(groups["tiny-servers" if tiny else "servers"])
+        if "integration" in item.path.parts and item.get_closest_marker("standalone") is None:
+            item.add_marker(servers)
