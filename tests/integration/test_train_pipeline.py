@@ -122,6 +122,7 @@ def test_stopped_generate_keeps_its_rows_and_its_server_goes(tiny_qwen3_dir, tmp
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no conversation written in 10 minutes"
             time.sleep(0.5)
+        assert _server_pids(tiny_qwen3_dir) - before, "the generate server is not found by its model path"
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
     finally:

@@ -198,8 +198,8 @@ mod avx2 {
     /// and one input vector: the 16 vector registers), so that each input vector loaded serves 3 weight
     /// rows. With one weight row per tile, 16 rows loaded 9 vectors per 8 FMAs, the input rows mostly
     /// from L2 (16 rows of a 1536-wide layer are 98 KB): all of SmolLM2's linears and its lm_head took
-    /// 1.06x / 1.29x / 1.41x as long at 16 / 24 / 64 rows as with these tiles, but 3 weight rows per
-    /// tile were 4-8% slower at 1-8 rows (float32, 2-core AVX2 EPYC, session 54).
+    /// 1.21x / 1.28x / 1.52x as long at 16 / 24 / 64 rows as with these tiles, but 3 weight rows per
+    /// tile were 4-8% slower at 1-8 rows (float32, 2-core AVX2 EPYC; throughput.md, run 58).
     const WIDE_COLUMNS: usize = 3;
     const WIDE_ROWS: usize = 4;
 
