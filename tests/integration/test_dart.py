@@ -88,7 +88,14 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
     unset_tuning = {TREE_SIZES_ENV: None, "GOMP_SPINCOUNT": None}  # the defaults are under test
     return {
         "no-chains": (tiny_qwen3_dir, base, {"SGLANG_DART_CONTEXT_NODES": "0"}, "qwen3-dart-no-chains"),
-        "retract": (tiny_qwen3_dir, base, {"SGLANG_TEST_RETRACT": "1"}, "qwen3-dart-retract"),
+        # Requests that re-enter through prefill: retracted by SGLang's test switch, or prefilled in
+        # 16-token chunks.
+        "reentry": (
+            tiny_qwen3_dir,
+            [*base, "--chunked-prefill-size", "16"],
+            {"SGLANG_TEST_RETRACT": "1"},
+            "qwen3-dart-reentry",
+        ),
         "bf16-default-sizes": (
             bf16_model,
             [*dart_server_args(*qwen3_assets), "--dtype", "auto"],  # the later --dtype wins
@@ -96,14 +103,13 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
             "qwen3-bf16-default-sizes",
         ),
         "root-only": (tiny_qwen3_dir, base, {TREE_SIZES_ENV: "1:1"}, "qwen3-root-only"),
-        "chunked": (tiny_qwen3_dir, [*base, "--chunked-prefill-size", "16"], None, "qwen3-dart-chunked"),
     }
 
 
-# Started in groups at the first use of one of them (each test stops its own when done): a start-up is
+# Started in groups at the first use of one of them (the last test to use one stops it): a start-up is
 # mostly single-threaded imports, and two or three side by side took 33-36 s a server on 2 cores against
 # 47 s one at a time; five together took 51 s a server.
-VARIANT_GROUPS = [("no-chains", "retract", "bf16-default-sizes"), ("root-only", "chunked")]
+VARIANT_GROUPS = [("no-chains", "reentry"), ("bf16-default-sizes", "root-only")]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +175,7 @@ def test_context_chains_are_accepted_losslessly(qwen3_plain, qwen3_dart, variant
     """The random drafter's drafts are nearly always rejected; context chains (on by default) predict
     where the tiny target's greedy output repeats itself: fewer verify steps than with chains off
     (`SGLANG_DART_CONTEXT_NODES=0`), and the target's own output either way."""
-    prompts, new_tokens = many_prompts(24), 64
+    prompts, new_tokens = many_prompts(12), 64
     reference = [out["output_ids"] for out in run_all(qwen3_plain, prompts, 8, new_tokens)]
     off = variant_servers("no-chains")
     try:
@@ -183,6 +189,7 @@ def test_context_chains_are_accepted_losslessly(qwen3_plain, qwen3_dart, variant
     def steps(runs: list[dict]) -> int:
         return sum(out["meta_info"]["spec_verify_ct"] for out in runs)
 
+    print(f"context chains: {steps(with_chains)} verify steps, {steps(without)} without")
     assert steps(with_chains) < steps(without)
 
 
@@ -290,13 +297,29 @@ def test_streaming_load_with_random_aborts(qwen3_dart, qwen3_plain):
 def test_retracted_requests_resume_losslessly(qwen3_plain, variant_servers):
     """SGLang's test switch retracts running requests every few steps; they come back through prefill and
     must rebuild their draft state from the slots SGLang re-assigns."""
-    server = variant_servers("retract")
+    server = variant_servers("reentry")  # stopped by the chunked-prefill test, which follows
+    prompts = many_prompts(12)
+    spec = [o["output_ids"] for o in run_all(server, prompts, 12, n=40)]
+    assert spec == [o["output_ids"] for o in run_all(qwen3_plain, prompts, 12, n=40)]
+    assert re.search(r"retraction\. #retracted_reqs: [1-9]", server.log_text())
+    assert server.healthy()
+
+
+def test_chunked_prefill_and_stop_strings(qwen3_plain, variant_servers):
+    """Prompts longer than the prefill chunk (the draft entry at each chunk boundary is recomputed from the
+    stored residual) and stop strings give the plain server's output."""
+    server = variant_servers("reentry")
     try:
-        prompts = many_prompts(12)
-        spec = [o["output_ids"] for o in run_all(server, prompts, 12, n=40)]
-        assert spec == [o["output_ids"] for o in run_all(qwen3_plain, prompts, 12, n=40)]
-        assert re.search(r"retraction\. #retracted_reqs: [1-9]", server.log_text())
-        assert server.healthy()
+        long_prompts = [p * 4 for p in many_prompts(8)]
+        spec_ids = [o["output_ids"] for o in run_all(server, long_prompts, 4)]
+        assert spec_ids == [o["output_ids"] for o in run_all(qwen3_plain, long_prompts, 4)]
+        greedy = {"max_new_tokens": 24, "temperature": 0.0}
+        free_text = qwen3_plain.generate({"text": long_prompts[0], "sampling_params": greedy})["text"]
+        body = {"text": long_prompts[0], "sampling_params": {**greedy, "stop": free_text[5:8]}}
+        spec, plain = server.generate(body), qwen3_plain.generate(body)
+        assert spec["text"] == plain["text"]
+        assert spec["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+        assert plain["meta_info"]["finish_reason"]["type"] == "stop"
     finally:
         server.stop()
 
@@ -417,22 +440,3 @@ def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_
     for expected, refusal in zip(cases, refused, strict=True):
         assert refusal is not None and expected in refusal, (expected, refusal)
     assert accepted is None
-
-
-def test_chunked_prefill_and_stop_strings(qwen3_plain, variant_servers):
-    """Prompts longer than the prefill chunk (the draft entry at each chunk boundary is recomputed from the
-    stored residual) and stop strings give the plain server's output."""
-    server = variant_servers("chunked")
-    try:
-        long_prompts = [p * 4 for p in many_prompts(8)]
-        spec_ids = [o["output_ids"] for o in run_all(server, long_prompts, 4)]
-        assert spec_ids == [o["output_ids"] for o in run_all(qwen3_plain, long_prompts, 4)]
-        greedy = {"max_new_tokens": 24, "temperature": 0.0}
-        free_text = qwen3_plain.generate({"text": long_prompts[0], "sampling_params": greedy})["text"]
-        body = {"text": long_prompts[0], "sampling_params": {**greedy, "stop": free_text[5:8]}}
-        spec, plain = server.generate(body), qwen3_plain.generate(body)
-        assert spec["text"] == plain["text"]
-        assert spec["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
-        assert plain["meta_info"]["finish_reason"]["type"] == "stop"
-    finally:
-        server.stop()

@@ -52,13 +52,11 @@ def own_store_assets(
 @pytest.fixture(scope="module")
 def accepting_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
     """DART servers whose trees predict the target, started side by side at the first one's use (each
-    test stops its own when done): "overlap" and "sync" (--disable-overlap-schedule) with metrics on, and
-    "frontend" for SGLang's frontend programs."""
+    test stops its own when done): "overlap" and "sync" (--disable-overlap-schedule) with metrics on."""
     dart_args = own_store_assets[2]
     variants = {
         "overlap": ([*dart_args, "--enable-metrics"], "qwen3-tau-overlap"),
         "sync": ([*dart_args, "--disable-overlap-schedule", "--enable-metrics"], "qwen3-tau-sync"),
-        "frontend": (dart_args, "qwen3-dart-frontend"),
     }
     servers = {
         name: SglangServer(tiny_qwen3_dir, args, server_logs / f"{log}.log")
@@ -141,21 +139,19 @@ def _frontend_program():
     return program
 
 
-def test_frontend_programs_run_on_dart(own_store_assets, qwen3_plain, accepting_servers):
+def test_frontend_programs_run_on_dart(own_store_assets, qwen3_plain, feature_servers):
     """SGLang frontend programs against a DART server: every variable and the whole text equal the same
-    program's against the plain server, run four at a time, with drafts accepted on the way."""
+    program's against the plain server, run four at a time, with drafts accepted on the way. (The DART
+    server is the logit-processor tests' one, started here: its extra flags do not touch these requests.)"""
     import sglang as sgl
 
     prompts = own_store_assets[0]
     program = _frontend_program()
     jobs = [{"prompt": p} for p in prompts[:8]]
     plain = program.run_batch(jobs, backend=sgl.RuntimeEndpoint(qwen3_plain.url), num_threads=4)
-    server = accepting_servers["frontend"]
-    try:
-        spec = program.run_batch(jobs, backend=sgl.RuntimeEndpoint(server.url), num_threads=4)
-        assert server.healthy()
-    finally:
-        server.stop()
+    server = feature_servers["dart"]
+    spec = program.run_batch(jobs, backend=sgl.RuntimeEndpoint(server.url), num_threads=4)
+    assert server.healthy()
     for got, want in zip(spec, plain, strict=True):
         assert got.error() is None and want.error() is None, (got.error(), want.error())
         for name in ("answer", "verdict", "count", "tail"):
