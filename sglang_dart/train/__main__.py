@@ -86,6 +86,13 @@ def make_parser() -> argparse.ArgumentParser:
         "(0.5 and 1.0 did not beat 0 in a short A/B: benchmarks/results/acceptance.md)",
     )
     p.add_argument(
+        "--feature-noise",
+        type=float,
+        default=0.0,
+        help="DART only: Gaussian noise added to the target's taps while training, as a share of each "
+        "tap's mean absolute value (a regulariser; 0: none)",
+    )
+    p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -125,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"training with bf16 autocast {'on' if args.bf16 else 'off'} (--bf16 / --no-bf16)")
     if not 0.0 <= args.soft_weight <= 1.0:
         raise SystemExit(f"--soft-weight is a share of the loss, between 0 and 1, not {args.soft_weight}")
+    if args.feature_noise < 0:
+        raise SystemExit(f"--feature-noise is a standard deviation, not {args.feature_noise}")
+    if args.feature_noise and args.format != "dart":
+        raise SystemExit(f"--feature-noise applies to DART's training only, not to --format {args.format}")
     if args.soft_weight and args.format != "dart":
         raise SystemExit(f"--soft-weight applies to DART's loss only, not to --format {args.format}")
     from transformers import AutoTokenizer

@@ -22,6 +22,7 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSetti
         "max_seconds": args.max_minutes * 60 if args.max_minutes else float("inf"),
         "row_decay": args.row_decay,
         "soft_weight": args.soft_weight,
+        "feature_noise": args.feature_noise,
         "bf16_autocast": args.bf16,
         "seed": args.seed,
     }

@@ -10,7 +10,7 @@ import random
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -32,6 +32,7 @@ class TrainSettings:
     max_seconds: float = math.inf
     row_decay: float = 0.8  # gamma
     soft_weight: float = 0.0  # share of the loss against the target's distribution (0: its argmax only)
+    feature_noise: float = 0.0  # noise std on each tap, relative to its mean |value| (0: none)
     grad_clip: float = 1.0
     bf16_autocast: bool = True
     seed: int = 0
@@ -158,6 +159,17 @@ def cpu_bf16_autocast(enabled: bool, taps: torch.Tensor) -> AbstractContextManag
     return nullcontext()
 
 
+def noised_taps(taps: torch.Tensor, num_taps: int, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """taps [T, num_taps * H] plus Gaussian noise of std `sigma` times each tap's mean absolute value in its
+    row (not its RMS, which a few outsized channels dominate), in float32. A regulariser: served drafters
+    always read exact target states, so this only keeps the drafter from fitting the few thousand training
+    answers too closely."""
+    rows = taps.float().view(taps.shape[0], num_taps, -1)
+    scale = rows.abs().mean(-1, keepdim=True)
+    noise = torch.randn(rows.shape, generator=generator, dtype=rows.dtype)
+    return (rows + sigma * scale * noise).view(taps.shape)
+
+
 def sample_anchors(num_real: int, count: int, rng: random.Random, first: int = 0) -> torch.Tensor:
     """`count` distinct anchors (at most all) among real positions first..num_real-1, sorted."""
     count = min(count, num_real - first)
@@ -265,6 +277,11 @@ def train(
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
         num_real = feats.input_ids.shape[0] - 1
         anchors = sample_anchors(num_real, settings.anchors_per_sequence, rng, feats.first_anchor())
+        if settings.feature_noise > 0:
+            generator = torch.Generator().manual_seed(rng.getrandbits(63))
+            num_taps = feats.taps.shape[1] // model.cfg.target_hidden_size
+            taps = noised_taps(feats.taps, num_taps, settings.feature_noise, generator)
+            feats = replace(feats, taps=taps)
         result = sequence_loss(model, feats, vocab, anchors, settings.row_decay, settings.soft_weight)
         return result.loss, result.stats
 

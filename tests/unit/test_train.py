@@ -16,6 +16,7 @@ from sglang_dart.train.estimate import _leading_hits, estimate_acceptance, split
 from sglang_dart.train.features import SequenceFeatures, sequence_features
 from sglang_dart.train.trainer import (
     TrainSettings,
+    noised_taps,
     progress_line,
     sample_anchors,
     sequence_loss,
@@ -321,14 +322,43 @@ def test_training_logs_progress_lines(capsys):
     assert "step 6/6" in capsys.readouterr().err  # the live line, on stderr
 
 
-def test_a_bad_soft_weight_is_refused_before_any_work(tmp_path):
+def test_feature_noise_scales_with_each_tap_and_training_still_learns():
+    generator = torch.Generator().manual_seed(0)
+    loud, quiet = torch.full((4000, 16), 10.0), torch.full((4000, 16), -0.1)
+    taps = torch.cat([loud, quiet], dim=1).to(torch.bfloat16)
+    noised = noised_taps(taps, 2, 0.2, generator)
+    assert noised.shape == taps.shape and noised.dtype == torch.float32
+    noise = noised - taps.float()
+    assert noise[:, :16].std().item() == pytest.approx(2.0, rel=0.05)  # 0.2 x 10
+    assert noise[:, 16:].std().item() == pytest.approx(0.02, rel=0.05)  # 0.2 x 0.1
+    # With noise on, training a learnable task still gets there (the noise regularises, it does not blind).
+    model, _, vocab = _drafter()
+    data = _copy_task(count=16, length=24, seed=3)
+    settings = TrainSettings(
+        anchors_per_sequence=8, sequences_per_step=2, max_steps=120, warmup_steps=10, learning_rate=3e-3,
+        bf16_autocast=False, log_every=0, feature_noise=0.1,
+    )  # fmt: skip
+    train(model, data, vocab, settings, log=lambda _: None)
+    with torch.no_grad():
+        after = sequence_loss(model, data[0], vocab, torch.tensor([2, 7, 12]), 0.8)
+    assert after.stats.accuracy()[0] > 0.9
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--soft-weight", "1.5"], "between 0 and 1"),
+        (["--format", "eagle3", "--soft-weight", "0.5"], "DART's loss only"),
+        (["--feature-noise", "-0.1"], "standard deviation"),
+        (["--format", "dflash", "--feature-noise", "0.1"], "DART's training only"),
+    ],
+)
+def test_a_bad_training_option_is_refused_before_any_work(tmp_path, options, message):
     from sglang_dart.train.__main__ import main
 
     paths = ["--target", str(tmp_path), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")]
-    with pytest.raises(SystemExit, match="between 0 and 1"):
-        main([*paths, "--soft-weight", "1.5"])
-    with pytest.raises(SystemExit, match="DART's loss only"):
-        main([*paths, "--format", "eagle3", "--soft-weight", "0.5"])
+    with pytest.raises(SystemExit, match=message):
+        main([*paths, *options])
 
 
 def test_bf16_autocast_is_on_by_default_only_where_the_cpu_multiplies_bf16(monkeypatch):
