@@ -166,7 +166,8 @@ def noised_taps(taps: torch.Tensor, num_taps: int, sigma: float, generator: torc
     answers too closely."""
     rows = taps.float().view(taps.shape[0], num_taps, -1)
     scale = rows.abs().mean(-1, keepdim=True)
-    noise = torch.randn(rows.shape, generator=generator, dtype=rows.dtype)
+    # drawn by a CPU generator (seeded from the step's rng), then moved to wherever the taps are
+    noise = torch.randn(rows.shape, generator=generator, dtype=rows.dtype).to(rows.device)
     return (rows + sigma * scale * noise).view(taps.shape)
 
 
