@@ -25,12 +25,12 @@ import torch
 
 from sglang_dart.drafter import load_drafter
 from sglang_dart.train import conversations, run_summary
-from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
+from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter, with_grown_vocab
 from sglang_dart.train.estimate import estimate_acceptance, split_holdout
 from sglang_dart.train.feature_cache import FeatureCache
 from sglang_dart.train.features import SOFT_LABELS, collect_features, load_target
 from sglang_dart.train.trainer import bf16_autocast_pays, train
-from sglang_dart.train.vocab import most_frequent_vocab, vocab_from_d2t
+from sglang_dart.train.vocab import grown_vocab, most_frequent_vocab, vocab_from_d2t
 
 
 def read_sequences(path: Path, tokenizer, max_len: int) -> conversations.Sequences:
@@ -50,6 +50,22 @@ def read_sequences(path: Path, tokenizer, max_len: int) -> conversations.Sequenc
 # SGLang's builtin worker for that algorithm loads. Each module has `add_arguments(parser)` (its own
 # options, prefixed with its name) and `train_and_save(args, target, feats, held_out) -> dict` (the report).
 PEER_FORMATS = ("eagle3", "dflash")
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+def check_vocab_growth(args: argparse.Namespace) -> None:
+    """Before any work: with --init, --draft-vocab-size may only keep or grow the checkpoint's vocabulary."""
+    if args.init is None or args.draft_vocab_size is None or args.format != "dart":
+        return
+    try:
+        current = json.loads((args.init / "config.json").read_text())["draft_vocab_size"]
+    except (OSError, ValueError, KeyError):
+        return  # loading the checkpoint reports what is wrong with it
+    if args.draft_vocab_size < current:
+        raise SystemExit(
+            f"--draft-vocab-size {args.draft_vocab_size} is smaller than {args.init}'s vocabulary "
+            f"({current}): a drafter's vocabulary can grow, not shrink"
+        )
 
 
 def peer_format(name: str):  # noqa: ANN201
@@ -70,7 +86,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, type=Path, help="draft checkpoint directory to write")
     p.add_argument("--draft-length", type=int, default=7, help="mask slots d (tree depth d + 1)")
-    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help=f"tokens the drafter may propose (default {DEFAULT_DRAFT_VOCAB}; with --init, the checkpoint's, "
+        "and a larger value grows it by the data's most frequent missing tokens)",
+    )
     p.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
@@ -138,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--feature-noise applies to DART's training only, not to --format {args.format}")
     if args.soft_weight and args.format != "dart":
         raise SystemExit(f"--soft-weight applies to DART's loss only, not to --format {args.format}")
+    check_vocab_growth(args)
+    if args.format != "dart" and args.draft_vocab_size is None:
+        args.draft_vocab_size = DEFAULT_DRAFT_VOCAB
     from transformers import AutoTokenizer
 
     torch.manual_seed(args.seed)
@@ -178,8 +203,18 @@ def main(argv: list[str] | None = None) -> None:
         model.train()
         vocab = vocab_from_d2t(model.d2t, vocab_size)
         config = json.loads((args.init / "config.json").read_text())
+        if args.draft_vocab_size is not None and args.draft_vocab_size != vocab.size:
+            try:
+                wider = grown_vocab(vocab, [f.answer_labels() for f in feats], args.draft_vocab_size)
+            except ValueError as exc:
+                raise SystemExit(f"--draft-vocab-size: {exc}") from exc
+            lm_head = target.get_output_embeddings().weight.detach()
+            model, config = with_grown_vocab(model, config, vocab, wider, lm_head)
+            print(f"draft vocabulary grown from {vocab.size} to {wider.size} tokens", flush=True)
+            vocab = wider
     else:
-        vocab = most_frequent_vocab([f.answer_labels() for f in feats], vocab_size, args.draft_vocab_size)
+        size = args.draft_vocab_size or DEFAULT_DRAFT_VOCAB
+        vocab = most_frequent_vocab([f.answer_labels() for f in feats], vocab_size, size)
         config = draft_config_dict(target_config, args.draft_length, vocab.size)
         lm_head = target.get_output_embeddings().weight.detach()
         model = new_drafter(config, embed, lm_head, vocab, seed=args.seed)

@@ -51,6 +51,29 @@ def new_drafter(
     return model
 
 
+@torch.no_grad()
+def with_grown_vocab(
+    model: DartDrafter, config: dict, old: DraftVocab, new: DraftVocab, target_head: torch.Tensor
+) -> tuple[DartDrafter, dict]:
+    """The drafter over `new`, a superset of its vocabulary `old`, and its config. Trained head rows are
+    kept; each added token's row is the target's own row carried by the linear map that best takes the
+    target's rows of `old` onto the trained ones (least squares): where training has moved the head on
+    average, rather than back at the untrained start."""
+    kept = old.t2d[new.target_ids]  # each new draft id's old draft id, -1 where the token is added
+    if int((kept >= 0).sum()) != old.size:
+        raise ValueError("the new draft vocabulary must hold every token of the old one")
+    trained = model.lm_head.weight.detach().float()
+    mapping = torch.linalg.lstsq(target_head[old.target_ids].float(), trained).solution
+    rows = target_head[new.target_ids].float() @ mapping
+    rows[kept >= 0] = trained[kept[kept >= 0]]
+    config = {**config, "draft_vocab_size": new.size}
+    grown = DartDrafter(DraftConfig.from_dict(config), model.embed_tokens)
+    state = {name: t for name, t in model.state_dict().items() if name not in ("lm_head.weight", "d2t")}
+    grown.load_state_dict({**state, "lm_head.weight": rows, "d2t": new.d2t})
+    grown.to(model.lm_head.weight.dtype).train(model.training)
+    return grown, config
+
+
 def save_drafter(model: DartDrafter, config: dict, vocab: DraftVocab, out_dir: Path | str) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

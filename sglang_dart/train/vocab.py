@@ -48,3 +48,20 @@ def most_frequent_vocab(labels: list[torch.Tensor], vocab_size: int, draft_vocab
 def vocab_from_d2t(d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
     """The draft vocabulary of an existing checkpoint."""
     return DraftVocab.of(torch.arange(d2t.shape[0]) + d2t.to(torch.int64), vocab_size)
+
+
+def grown_vocab(vocab: DraftVocab, labels: list[torch.Tensor], draft_vocab_size: int) -> DraftVocab:
+    """`vocab` plus the label tokens it lacks, most frequent first, up to `draft_vocab_size` ids. Ties and
+    tokens the labels never use go by ascending id: a BPE vocabulary lists its commoner merges first."""
+    vocab_size = vocab.t2d.shape[0]
+    if not vocab.size <= draft_vocab_size <= vocab_size:
+        raise ValueError(
+            f"a draft vocabulary of {vocab.size} can grow to at most {vocab_size} ids, not {draft_vocab_size}"
+        )
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for lab in labels:
+        counts += torch.bincount(lab, minlength=vocab_size)
+    counts[vocab.target_ids] = -1  # already in: sorted last, never picked
+    order = torch.argsort(-counts, stable=True)
+    added = order[: draft_vocab_size - vocab.size]
+    return DraftVocab.of(torch.sort(torch.cat([vocab.target_ids, added])).values, vocab_size)

@@ -11,7 +11,7 @@ import torch
 
 from sglang_dart.drafter import load_drafter
 from sglang_dart.train.blocks import block_attention_mask, block_logits
-from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter
+from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter, with_grown_vocab
 from sglang_dart.train.estimate import _leading_hits, estimate_acceptance, split_holdout
 from sglang_dart.train.features import SequenceFeatures, sequence_features
 from sglang_dart.train.trainer import (
@@ -23,7 +23,7 @@ from sglang_dart.train.trainer import (
     soft_cross_entropy,
     train,
 )
-from sglang_dart.train.vocab import most_frequent_vocab
+from sglang_dart.train.vocab import grown_vocab, most_frequent_vocab
 
 TARGET = {
     "hidden_size": 32,
@@ -135,6 +135,40 @@ def test_draft_vocab_keeps_most_frequent_labels():
     assert vocab.target_ids.tolist() == [1, 5, 7]
     assert vocab.to_draft(torch.tensor([5, 3, 1])).tolist() == [1, -100, 0]
     assert (vocab.d2t + torch.arange(3)).tolist() == [1, 5, 7]
+
+
+def test_a_draft_vocab_grows_by_the_most_frequent_missing_labels():
+    vocab = most_frequent_vocab([torch.tensor([5] * 10 + [7] * 5)], 10, 2)  # {5, 7}
+    labels = [torch.tensor([5] * 9 + [3] * 4 + [8] * 2 + [7] + [2] * 2)]
+    # 3 (4 times) first, then 2 and 8 (twice each) by ascending id, then the unused ones by id.
+    assert grown_vocab(vocab, labels, 4).target_ids.tolist() == [2, 3, 5, 7]
+    assert grown_vocab(vocab, labels, 5).target_ids.tolist() == [2, 3, 5, 7, 8]
+    assert grown_vocab(vocab, labels, 7).target_ids.tolist() == [0, 1, 2, 3, 5, 7, 8]
+    assert grown_vocab(vocab, labels, 2).target_ids.tolist() == [5, 7]
+    for size in (1, 11):
+        with pytest.raises(ValueError, match="grow"):
+            grown_vocab(vocab, labels, size)
+
+
+def test_a_grown_drafter_keeps_its_trained_rows_and_maps_the_new_ones():
+    model, config, vocab = _drafter(vocab_size=40)  # more rows than the hidden size: the map is determined
+    target_head = torch.randn(TARGET["vocab_size"], 32, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():  # a trained head: the target's rows through a fixed linear map
+        mapping = torch.randn(32, 32, generator=torch.Generator().manual_seed(8))
+        model.lm_head.weight.copy_(target_head[vocab.target_ids] @ mapping)
+    wider = grown_vocab(vocab, [torch.arange(50)], 48)
+    grown, grown_config = with_grown_vocab(model, config, vocab, wider, target_head)
+    assert grown_config["draft_vocab_size"] == 48 and config["draft_vocab_size"] == 40
+    assert torch.equal(grown.draft_to_target(torch.arange(48)), wider.target_ids)
+    taps, nxt = torch.randn(6, 96), torch.randint(0, 50, (6,))
+    with torch.no_grad():
+        before, after = model(taps, nxt, 0).logits, grown(taps, nxt, 0).logits
+    # Every old token keeps its logit; an added token's row is the target's through the fitted map.
+    old_in_new = wider.t2d[vocab.target_ids]
+    torch.testing.assert_close(after[:, old_in_new], before, atol=1e-4, rtol=1e-4)
+    added = wider.t2d[wider.target_ids[~torch.isin(wider.target_ids, vocab.target_ids)]]
+    expected_rows = target_head[wider.target_ids[added]] @ mapping
+    torch.testing.assert_close(grown.lm_head.weight[added], expected_rows, atol=1e-3, rtol=1e-3)
 
 
 def test_degenerate_data_fails_clearly_or_contributes_nothing():
@@ -351,12 +385,15 @@ def test_feature_noise_scales_with_each_tap_and_training_still_learns():
         (["--format", "eagle3", "--soft-weight", "0.5"], "DART's loss only"),
         (["--feature-noise", "-0.1"], "standard deviation"),
         (["--format", "dflash", "--feature-noise", "0.1"], "DART's training only"),
+        (["--init", "CHECKPOINT", "--draft-vocab-size", "4096"], "grow, not shrink"),
     ],
 )
 def test_a_bad_training_option_is_refused_before_any_work(tmp_path, options, message):
     from sglang_dart.train.__main__ import main
 
     paths = ["--target", str(tmp_path), "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "o")]
+    (tmp_path / "config.json").write_text(json.dumps({"draft_vocab_size": 8192}))
+    options = [str(tmp_path) if option == "CHECKPOINT" else option for option in options]
     with pytest.raises(SystemExit, match=message):
         main([*paths, *options])
 
