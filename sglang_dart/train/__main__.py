@@ -128,6 +128,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="dtype the target computes taps and labels in (auto: its config's; float32 is several times "
         "faster on CPUs without bf16 instructions, at the price of rare argmax ties going the other way)",
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the target computes the features and DART's drafter trains: cpu (default) or cuda[:N] "
+        "(features stay in host memory; each step moves its sequences over)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--holdout",
@@ -147,10 +153,29 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def training_device(args: argparse.Namespace) -> torch.device:
+    """--device, checked before any work: a CUDA device that exists, for DART's trainer."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise SystemExit(f"--device {args.device!r}: {exc}") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {args.device!r}: the trainer runs on 'cpu' or 'cuda[:N]'")
+    if device.type == "cuda":
+        if args.format != "dart":
+            raise SystemExit(f"--device cuda trains DART's drafter; --format {args.format} trains on the CPU")
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: this machine has no CUDA device torch can use")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SystemExit(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
+
+
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
-    if args.bf16 is None:
-        args.bf16 = bf16_autocast_pays()
+    device = training_device(args)
+    if args.bf16 is None:  # a GPU multiplies bf16 natively; a CPU only with AMX or AVX512-BF16
+        args.bf16 = device.type == "cuda" or bf16_autocast_pays()
     print(f"training with bf16 autocast {'on' if args.bf16 else 'off'} (--bf16 / --no-bf16)")
     if not 0.0 <= args.soft_weight <= 1.0:
         raise SystemExit(f"--soft-weight is a share of the loss, between 0 and 1, not {args.soft_weight}")
@@ -170,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     data = read_sequences(args.data, tokenizer, args.max_len)
     sequences = data.ids
     dtype = None if args.target_dtype == "auto" else getattr(torch, args.target_dtype)
-    target = load_target(args.target, dtype)
+    target = load_target(args.target, dtype).to(device)
     largest = max(max(seq, default=0) for seq in sequences)
     if largest >= target.config.vocab_size:
         raise SystemExit(
@@ -195,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         report = peer_format(args.format).train_and_save(args, target, feats, held_out)
         (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
         return
+    target = target.cpu()  # the drafter is built on the host, then moved with the embedding table it reads
     target_config = target.config.to_dict()
     vocab_size = target.config.vocab_size
     embed = target.get_input_embeddings().weight.detach()
@@ -219,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         lm_head = target.get_output_embeddings().weight.detach()
         model = new_drafter(config, embed, lm_head, vocab, seed=args.seed)
     del target
+    model.to(device)
+    model.embed_tokens = model.embed_tokens.to(device)
     settings = run_summary.settings_from_args(args)
     trained_from = time.monotonic()
     losses = train(model, feats, vocab, settings, log=lambda s: print(s, flush=True))

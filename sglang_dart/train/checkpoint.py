@@ -78,7 +78,7 @@ def save_drafter(model: DartDrafter, config: dict, vocab: DraftVocab, out_dir: P
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {
-        name: t.detach().to(torch.float32).contiguous()
+        name: t.detach().to(device="cpu", dtype=torch.float32).contiguous()
         for name, t in model.state_dict().items()
         if name != "d2t"
     }

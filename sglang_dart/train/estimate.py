@@ -19,7 +19,8 @@ import torch
 from sglang_dart.drafter.model import DartDrafter
 from sglang_dart.train.blocks import block_logits
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import cpu_bf16_autocast, sample_anchors
+from sglang_dart.train.trainer import bf16_autocast as autocast_on
+from sglang_dart.train.trainer import sample_anchors
 from sglang_dart.train.vocab import DraftVocab
 
 
@@ -75,6 +76,8 @@ def estimate_acceptance(
     model.eval()
     rng = random.Random(seed)
     d = model.cfg.draft_length
+    device = model.fc.weight.device
+    vocab = vocab.to(device)
     correct = torch.zeros(d + 1)
     counted = 0
     chain_total, bound_total, sequences = 0.0, 0.0, 0
@@ -86,18 +89,20 @@ def estimate_acceptance(
             first = feats.first_anchor()
             if num_real - d <= first:
                 continue
-            anchors = sample_anchors(num_real - d, max_anchors_per_sequence, rng, first)
-            with cpu_bf16_autocast(bf16_autocast, feats.taps):
+            anchors = sample_anchors(num_real - d, max_anchors_per_sequence, rng, first).to(device)
+            feats = feats.to(device)
+            with autocast_on(bf16_autocast, device):
                 out = block_logits(
                     model, feats.taps[:num_real].to(model.fc.weight.dtype), feats.input_ids[1:], anchors
                 )
             rows = torch.cat([out.real[anchors].unsqueeze(1), out.masks], dim=1).float()  # [A, d + 1, Vd]
-            label_index = anchors.unsqueeze(1) + 1 + torch.arange(d + 1)  # row j: the token at p + 1 + j
+            rows_ahead = torch.arange(d + 1, device=device)
+            label_index = anchors.unsqueeze(1) + 1 + rows_ahead  # row j: the token at p + 1 + j
             labels = vocab.to_draft(feats.labels[label_index])  # -100: outside the draft vocabulary
             top1 = (rows.argmax(dim=-1) == labels) & (labels >= 0)
             in_topk = (rows.topk(min(k, rows.shape[-1]), dim=-1).indices == labels.unsqueeze(-1)).any(-1)
             in_topk &= labels >= 0
-            correct += top1.float().sum(dim=0)
+            correct += top1.float().sum(dim=0).cpu()
             counted += anchors.shape[0]
             chain_total += float((1 + _leading_hits(top1)).sum())
             bound_total += float((1 + _leading_hits(in_topk)).sum())

@@ -36,6 +36,21 @@ class SequenceFeatures:
         """The first real position an anchor may sit at: the one predicting the answer's first token."""
         return min(max(self.answer_start - 1, 0), max(self.input_ids.shape[0] - 2, 0))
 
+    def to(self, device: torch.device | str) -> SequenceFeatures:
+        """The same features with every tensor on `device` (stored on the host, moved per training step)."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return SequenceFeatures(
+            move(self.input_ids),
+            move(self.taps),
+            move(self.labels),
+            move(self.soft_ids),
+            move(self.soft_probs),
+            self.answer_start,
+        )
+
     def answer_labels(self) -> torch.Tensor:
         """The labels a drafter learns from (row 0 at the first anchor on): what a draft vocabulary should
         cover, without the prompt's."""
@@ -55,7 +70,7 @@ def load_target(target_dir: Path | str, dtype: torch.dtype | None = None):
 
 @torch.inference_mode()
 def sequence_features(target, input_ids: list[int], soft_labels: int = 0) -> SequenceFeatures:
-    ids = torch.tensor([input_ids], dtype=torch.long)
+    ids = torch.tensor([input_ids], dtype=torch.long, device=target.device)
     out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
     layers = tap_layers(target.config.num_hidden_layers)
     taps = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
@@ -63,8 +78,11 @@ def sequence_features(target, input_ids: list[int], soft_labels: int = 0) -> Seq
     soft_ids = soft_probs = None
     if soft_labels > 0:
         top = torch.softmax(logits.float(), dim=-1).topk(min(soft_labels, logits.shape[-1]), dim=-1)
-        soft_ids, soft_probs = top.indices.to(torch.int32), top.values.to(torch.bfloat16)
-    return SequenceFeatures(ids[0], taps.to(torch.bfloat16), logits.argmax(-1), soft_ids, soft_probs)
+        soft_ids, soft_probs = top.indices.to(torch.int32).cpu(), top.values.to(torch.bfloat16).cpu()
+    # kept on the host (a run's features outgrow an accelerator's memory), moved per step when training
+    return SequenceFeatures(
+        ids[0].cpu(), taps.to(torch.bfloat16).cpu(), logits.argmax(-1).cpu(), soft_ids, soft_probs
+    )
 
 
 def collect_features(

@@ -94,12 +94,12 @@ def sequence_loss(
     weighted, weights = [], []
     row0_labels = labels[1 : num_real + 1].clone()
     row0_labels[: feats.first_anchor()] = -100
-    label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1)  # [A, d]
+    label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1, device=anchors.device)  # [A, d]
     valid = label_index < labels.shape[0]
     clamped = label_index.clamp(max=labels.shape[0] - 1)
     mask_labels = torch.where(valid, labels[clamped], -100)
     # Each row's positions: row 0 at every real position, row j of every anchor at p+1+j.
-    positions = [torch.arange(1, num_real + 1)] + [clamped[:, j] for j in range(d)]
+    positions = [torch.arange(1, num_real + 1, device=anchors.device)] + [clamped[:, j] for j in range(d)]
     rows = [(out.real, row0_labels)] + [(out.masks[:, j], mask_labels[:, j]) for j in range(d)]
     soft = soft_weight > 0 and feats.soft_ids is not None and feats.soft_probs is not None
     for row, (logits, target) in enumerate(rows):
@@ -159,6 +159,13 @@ def cpu_bf16_autocast(enabled: bool, taps: torch.Tensor) -> AbstractContextManag
     return nullcontext()
 
 
+def bf16_autocast(enabled: bool, device: torch.device) -> AbstractContextManager:
+    """bf16 autocast for a forward on `device` (CPU or CUDA), or none."""
+    if enabled and device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def noised_taps(taps: torch.Tensor, num_taps: int, sigma: float, generator: torch.Generator) -> torch.Tensor:
     """taps [T, num_taps * H] plus Gaussian noise of std `sigma` times each tap's mean absolute value in its
     row (not its RMS, which a few outsized channels dominate), in float32. A regulariser: served drafters
@@ -209,6 +216,7 @@ def fit(
     end, a logged line with the loss and the top-1 per `unit` since the line before, and the ETA."""
     rng = random.Random(settings.seed)
     params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
     live = sys.stderr.isatty() if settings.progress_bar is None else settings.progress_bar
     order: list[int] = []
@@ -235,7 +243,7 @@ def fit(
                 order = list(range(len(usable)))
                 rng.shuffle(order)
             feats = usable[order.pop()]
-            with cpu_bf16_autocast(settings.bf16_autocast, feats.taps):
+            with bf16_autocast(settings.bf16_autocast, device):
                 loss, stats = sequence_step(feats, rng)
             (loss / settings.sequences_per_step).backward()
             step_loss += float(loss.detach()) / settings.sequences_per_step
@@ -274,16 +282,20 @@ def train(
     usable = [f for f in data if f.input_ids.shape[0] >= 3]
     if not usable:
         raise ValueError("no training sequence has the 3 tokens an anchor needs")
+    device = model.fc.weight.device
+    on_device = vocab.to(device)
 
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+        feats = feats.to(device)
         num_real = feats.input_ids.shape[0] - 1
-        anchors = sample_anchors(num_real, settings.anchors_per_sequence, rng, feats.first_anchor())
+        first = feats.first_anchor()
+        anchors = sample_anchors(num_real, settings.anchors_per_sequence, rng, first).to(device)
         if settings.feature_noise > 0:
             generator = torch.Generator().manual_seed(rng.getrandbits(63))
             num_taps = feats.taps.shape[1] // model.cfg.target_hidden_size
             taps = noised_taps(feats.taps, num_taps, settings.feature_noise, generator)
             feats = replace(feats, taps=taps)
-        result = sequence_loss(model, feats, vocab, anchors, settings.row_decay, settings.soft_weight)
+        result = sequence_loss(model, feats, on_device, anchors, settings.row_decay, settings.soft_weight)
         return result.loss, result.stats
 
     return fit(model, usable, settings, sequence_step, log)

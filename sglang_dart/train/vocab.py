@@ -20,6 +20,9 @@ class DraftVocab:
         t2d[target_ids] = torch.arange(target_ids.shape[0])
         return cls(target_ids, t2d)
 
+    def to(self, device: torch.device | str) -> DraftVocab:
+        return DraftVocab(self.target_ids.to(device), self.t2d.to(device))
+
     @property
     def size(self) -> int:
         return int(self.target_ids.shape[0])

@@ -137,6 +137,29 @@ def test_draft_vocab_keeps_most_frequent_labels():
     assert (vocab.d2t + torch.arange(3)).tolist() == [1, 5, 7]
 
 
+def test_features_and_vocab_move_whole_to_a_device():
+    """What the trainer moves per step to the drafter's device: every tensor, none left behind."""
+    feats = SequenceFeatures(
+        torch.tensor([1, 2, 3]), torch.zeros(3, 96, dtype=torch.bfloat16), torch.tensor([2, 3, 4]),
+        torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 4, dtype=torch.bfloat16), answer_start=2,
+    )  # fmt: skip
+    moved = feats.to("meta")
+    tensors = [moved.input_ids, moved.taps, moved.labels, moved.soft_ids, moved.soft_probs]
+    assert all(t.device.type == "meta" for t in tensors) and moved.answer_start == 2
+    assert [t.dtype for t in tensors] == [
+        torch.int64,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.bfloat16,
+    ]
+    assert (
+        feats.to("meta").soft_ids is not None and SequenceFeatures(*tensors[:3]).to("meta").soft_ids is None
+    )
+    vocab = most_frequent_vocab([torch.tensor([5, 5, 7])], 10, 2).to("meta")
+    assert vocab.target_ids.device.type == vocab.t2d.device.type == "meta"
+
+
 def test_a_draft_vocab_grows_by_the_most_frequent_missing_labels():
     vocab = most_frequent_vocab([torch.tensor([5] * 10 + [7] * 5)], 10, 2)  # {5, 7}
     labels = [torch.tensor([5] * 9 + [3] * 4 + [8] * 2 + [7] + [2] * 2)]
@@ -386,6 +409,14 @@ def test_feature_noise_scales_with_each_tap_and_training_still_learns():
         (["--feature-noise", "-0.1"], "standard deviation"),
         (["--format", "dflash", "--feature-noise", "0.1"], "DART's training only"),
         (["--init", "CHECKPOINT", "--draft-vocab-size", "4096"], "grow, not shrink"),
+        (["--device", "banana"], "--device 'banana'"),
+        (["--device", "meta"], "'cpu' or 'cuda"),
+        (["--device", "cuda", "--format", "eagle3"], "trains on the CPU"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
     ],
 )
 def test_a_bad_training_option_is_refused_before_any_work(tmp_path, options, message):
