@@ -17,7 +17,8 @@ from torch import nn
 from sglang_dart.train import trainer
 from sglang_dart.train.dflash_model import DFlashDrafter
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, fit
+from sglang_dart.train.trainer import RowStats, TrainSettings, fit
+from sglang_dart.train.trainer import bf16_autocast as autocast_on
 
 LOG_SECONDS = 15.0
 
@@ -164,7 +165,7 @@ def estimate_acceptance(
         if length <= max(1, feats.first_anchor()):
             continue
         anchors = sample_anchors(length, max_anchors_per_sequence, rng, feats.first_anchor())
-        with cpu_bf16_autocast(bf16_autocast, feats.taps):
+        with autocast_on(bf16_autocast, feats.taps.device):
             logits = block_logits(model, target, feats, anchors, block, mask_id)
         hits = logits.float().argmax(-1) == block_labels(feats, anchors, block)
         correct += hits.float().sum(0)

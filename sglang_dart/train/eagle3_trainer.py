@@ -15,7 +15,8 @@ from torch import nn
 from sglang_dart.train.eagle3_model import Eagle3Drafter
 from sglang_dart.train.estimate import AcceptEstimate, _leading_hits
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import RowStats, TrainSettings, cpu_bf16_autocast, fit
+from sglang_dart.train.trainer import RowStats, TrainSettings, fit
+from sglang_dart.train.trainer import bf16_autocast as autocast_on
 from sglang_dart.train.vocab import DraftVocab
 
 
@@ -119,7 +120,7 @@ def estimate_acceptance(
             count = n - ttt_steps + 1 - win.first_origin
             if count <= 0:
                 continue
-            with cpu_bf16_autocast(bf16_autocast, feats.taps):
+            with autocast_on(bf16_autocast, feats.taps.device):
                 logits = model.ttt_logits(win.taps.to(model.fc.weight.dtype), win.tokens, ttt_steps)
             a = win.first_origin + torch.arange(count)
             rows = torch.stack([logits[j][a + j].float() for j in range(ttt_steps)], dim=1)  # [A, steps, Vd]

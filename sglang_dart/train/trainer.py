@@ -152,13 +152,6 @@ def bf16_autocast_pays() -> bool:
     return fast_dtype_here("cpu") == "bfloat16"
 
 
-def cpu_bf16_autocast(enabled: bool, taps: torch.Tensor) -> AbstractContextManager:
-    """bf16 autocast for a forward over taps on the CPU (where it pays); no autocast otherwise."""
-    if enabled and taps.device.type == "cpu":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return nullcontext()
-
-
 def bf16_autocast(enabled: bool, device: torch.device) -> AbstractContextManager:
     """bf16 autocast for a forward on `device` (CPU or CUDA), or none."""
     if enabled and device.type in ("cpu", "cuda"):
