@@ -59,6 +59,22 @@ EAGLE3=${EAGLE3:-$(ls -d /tmp/payload/eagle3 2>/dev/null)}  # an EAGLE3 drafter:
 echo "target ${TARGET[*]}; drafter ${ASSETS[*]:-random}"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+# TRAIN_MINUTES=M: train instead of checking. The formats in FORMATS (default all three) each train from
+# scratch for M minutes on this GPU on the answers in data/ (scripts/peers_same_data.sh, SERVE=0), and
+# come back cast to bf16 in 15 MiB parts (a call returns files of at most 16 MiB, 64 MiB in all):
+#   cat OUT/drafters.tar.part-* | tar -x    then serve or measure them on the CPU (benchmarks/peers.py).
+if [ -n "${TRAIN_MINUTES:-}" ]; then
+    [ -n "$MODEL" ] || { echo "TRAIN_MINUTES needs the target's real weights in the payload"; exit 3; }
+    MINUTES=$TRAIN_MINUTES FORMATS=${FORMATS:-dart eagle3 dflash} DEVICE=cuda SERVE=0 PY=$PY TARGET=$MODEL \
+        bash scripts/peers_same_data.sh /tmp/train; rc=$?
+    mkdir -p /tmp/back && (cd /tmp/train && tar -czf "$OUT/train-logs.tar.gz" ./*.log)
+    for format in ${FORMATS:-dart eagle3 dflash}; do
+        [ -f "/tmp/train/$format/config.json" ] && $PY scripts/cast_drafter.py "/tmp/train/$format" "/tmp/back/$format"
+    done
+    (cd /tmp/back && tar -cf - .) | split -b 15M - "$OUT/drafters.tar.part-"
+    echo "training rc=$rc after $(( $(date +%s)-T0 ))s"; ls -l "$OUT"
+    exit "$rc"
+fi
 echo "python $($PY --version 2>&1), $(nproc) cores, nvcc $(command -v nvcc), unpacked after $(( $(date +%s)-T0 ))s"
 [ -n "${SKIP_SMOKE:-}" ] || $PY - <<'PYEOF' 2>&1 | grep -v "^\[" | tail -20
 import importlib, time

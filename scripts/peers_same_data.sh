@@ -8,8 +8,11 @@
 # are computed once and shared by every format (`--feature-cache`), so each further format costs its
 # training time only. Knobs (environment): MINUTES (training budget per drafter, default 30), FORMATS
 # (default "dart eagle3"; add dflash), DTYPE (default bfloat16), BATCH_SIZES (default "1"), REPEATS
-# (default 3), EAGLE3_SETTINGS (default "3,4,8"). A step whose output exists is skipped, so an interrupted
-# run goes on where it stopped.
+# (default 3), EAGLE3_SETTINGS (default "3,4,8"), DEVICE (where the features and training run: cpu, the
+# default, or cuda), SERVE (0: train only, no store and no serving; for a GPU host, whose drafters are
+# served back here), DATA (a jsonl of answers instead of every committed one), PY and TARGET (the Python
+# and the target's directory; default: the set-up's .venv and the SmolLM2 it installs). A step whose output
+# exists is skipped, so an interrupted run goes on where it stopped.
 set -euo pipefail
 OUT=${1:?usage: scripts/peers_same_data.sh OUT_DIR}
 MINUTES=${MINUTES:-30}
@@ -18,26 +21,31 @@ DTYPE=${DTYPE:-bfloat16}
 BATCH_SIZES=${BATCH_SIZES:-1}
 REPEATS=${REPEATS:-3}
 EAGLE3_SETTINGS=${EAGLE3_SETTINGS:-3,4,8}
+DEVICE=${DEVICE:-cpu}
+SERVE=${SERVE:-1}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PY="$ROOT/.venv/bin/python"
+PY=${PY:-$ROOT/.venv/bin/python}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
-TARGET=$($PY -m sglang_dart.assets smollm2 2>/dev/null | tail -n 1)
+TARGET=${TARGET:-$($PY -m sglang_dart.assets smollm2 2>/dev/null | tail -n 1)}
 
 if [ ! -s "$OUT/answers.jsonl" ]; then
-  zcat data/smollm2-answers/*.jsonl.gz > "$OUT/answers.jsonl.tmp"
+  if [ -n "${DATA:-}" ]; then cp "$DATA" "$OUT/answers.jsonl.tmp"
+  else zcat data/smollm2-answers/*.jsonl.gz > "$OUT/answers.jsonl.tmp"; fi
   mv "$OUT/answers.jsonl.tmp" "$OUT/answers.jsonl"
 fi
-echo "data: $(wc -l < "$OUT/answers.jsonl") answers"
+echo "data: $(wc -l < "$OUT/answers.jsonl") answers; training on $DEVICE"
 for format in $FORMATS; do
   [ -f "$OUT/$format/config.json" ] && continue
   echo "training $format for $MINUTES minutes ($(date +%T))"
   $PY -m sglang_dart.train --format "$format" --target "$TARGET" --data "$OUT/answers.jsonl" \
     --out "$OUT/$format" --target-dtype "$DTYPE" --max-minutes "$MINUTES" --max-steps 100000 \
-    --feature-cache "$OUT/features" > "$OUT/train-$format.log" 2>&1
+    --device "$DEVICE" --feature-cache "$OUT/features" > "$OUT/train-$format.log" 2>&1 \
+    || { tail -n 20 "$OUT/train-$format.log"; exit 1; }
   grep "estimated tau" "$OUT/train-$format.log" || true
 done
+[ "$SERVE" = 0 ] && exit 0
 if [ ! -s "$OUT/answers.store" ]; then
   $PY -m sglang_dart.ngram build --tokenizer "$TARGET" -o "$OUT/answers.store" "$OUT/answers.jsonl"
 fi

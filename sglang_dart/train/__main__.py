@@ -131,7 +131,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         default="cpu",
-        help="where the target computes the features and DART's drafter trains: cpu (default) or cuda[:N] "
+        help="where the target computes the features and the drafter (any --format) trains: cpu (default) "
+        "or cuda[:N] "
         "(features stay in host memory; each step moves its sequences over)",
     )
     p.add_argument("--seed", type=int, default=0)
@@ -154,7 +155,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def training_device(args: argparse.Namespace) -> torch.device:
-    """--device, checked before any work: a CUDA device that exists, for DART's trainer."""
+    """--device, checked before any work: the CPU or a CUDA device that exists."""
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -162,8 +163,6 @@ def training_device(args: argparse.Namespace) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise SystemExit(f"--device {args.device!r}: the trainer runs on 'cpu' or 'cuda[:N]'")
     if device.type == "cuda":
-        if args.format != "dart":
-            raise SystemExit(f"--device cuda trains DART's drafter; --format {args.format} trains on the CPU")
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {args.device}: this machine has no CUDA device torch can use")
         if device.index is not None and device.index >= torch.cuda.device_count():
@@ -216,11 +215,11 @@ def main(argv: list[str] | None = None) -> None:
         f"({len(held_out)} held out)",
         flush=True,
     )
+    target = target.cpu()  # a drafter is built on the host, then moved with the target tensors it reads
     if args.format != "dart":
-        report = peer_format(args.format).train_and_save(args, target, feats, held_out)
+        report = peer_format(args.format).train_and_save(args, target, feats, held_out, device)
         (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
         return
-    target = target.cpu()  # the drafter is built on the host, then moved with the embedding table it reads
     target_config = target.config.to_dict()
     vocab_size = target.config.vocab_size
     embed = target.get_input_embeddings().weight.detach()

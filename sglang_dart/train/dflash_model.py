@@ -67,7 +67,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     """Neox-style rotary embedding (halves rotated), as SGLang's default `get_rope`. x: [..., N, heads, D],
     positions: [..., N]."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., N, D/2]
     cos, sin = freqs.cos().unsqueeze(-2), freqs.sin().unsqueeze(-2)  # [..., N, 1, D/2]
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -174,9 +174,9 @@ class DFlashDrafter(nn.Module):
         """Final-normed hidden states [A, B, H]; block a sees the context at positions < block_start[a]."""
         num_ctx = taps.shape[0]
         ctx = self.project_context(taps)
-        ctx_positions = torch.arange(num_ctx)
+        ctx_positions = torch.arange(num_ctx, device=taps.device)
         ctx_visible = ctx_positions.unsqueeze(0) < block_start.unsqueeze(1)
-        positions = block_start.unsqueeze(1) + torch.arange(block_embeds.shape[1])
+        positions = block_start.unsqueeze(1) + torch.arange(block_embeds.shape[1], device=taps.device)
         x = block_embeds.to(ctx.dtype)
         for layer in self.layers:
             x = layer(x, positions, ctx, ctx_positions, ctx_visible)

@@ -45,15 +45,18 @@ def block_logits(
     block: int,
     mask_id: int,
 ) -> torch.Tensor:
-    """[A, block-1, V] logits of block positions 1..block-1 for the anchors (sorted positions >= 1)."""
-    ids = torch.full((anchors.shape[0], block), mask_id, dtype=torch.long)
-    ids[:, 0] = feats.input_ids[anchors]
+    """[A, block-1, V] logits of block positions 1..block-1 for the anchors (positions >= 1; given on the
+    host, their largest is read without waiting on the device)."""
     seen = int(anchors.max())  # no block sees the context at or after its own anchor
+    anchors = anchors.to(feats.input_ids.device)
+    ids = torch.full((anchors.shape[0], block), mask_id, dtype=torch.long, device=anchors.device)
+    ids[:, 0] = feats.input_ids[anchors]
     taps = feats.taps[:seen].to(model.fc.weight.dtype)
     hidden = model(target.embed[ids], anchors, taps)
     # The LM head in float32 outside autocast: on CPUs without AMX a bf16 product of this size (rows x the
     # whole vocabulary) ran several times slower than float32, and it is most of a step's work.
     # A 2-D product: a batched one against the broadcast head was slower on CPU, forward and backward.
+    # (On a GPU the product stays under CUDA autocast: bf16 is what its matrix units are fast at.)
     with torch.autocast("cpu", enabled=False):
         rows = hidden[:, 1:].float()
         return (rows.reshape(-1, rows.shape[-1]) @ target.lm_head.T).view(*rows.shape[:2], -1)
@@ -61,7 +64,8 @@ def block_logits(
 
 def block_labels(feats: SequenceFeatures, anchors: torch.Tensor, block: int) -> torch.Tensor:
     """[A, block-1] target greedy token for block positions 1..block-1; -100 past the sequence's end."""
-    index = anchors.unsqueeze(1) + torch.arange(block - 1)  # argmax at s + j - 1 drafts the token at s + j
+    anchors = anchors.to(feats.labels.device)
+    index = anchors.unsqueeze(1) + torch.arange(block - 1, device=anchors.device)  # s + j - 1 drafts s + j
     inside = index < feats.labels.shape[0]
     return torch.where(inside, feats.labels[index.clamp(max=feats.labels.shape[0] - 1)], -100)
 
@@ -116,10 +120,12 @@ def train(
     if not usable:
         raise ValueError("no training sequence has the 2 tokens an anchor block needs")
 
+    device = model.fc.weight.device
+
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
         length = feats.input_ids.shape[0]
         anchors = sample_anchors(length, settings.anchors_per_sequence, rng, feats.first_anchor())
-        result = block_loss(model, target, feats, anchors, block, mask_id, settings.row_decay)
+        result = block_loss(model, target, feats.to(device), anchors, block, mask_id, settings.row_decay)
         return result.loss, result.stats
 
     # A CPU step of the full-vocabulary head can take seconds: a run must show its loss and ETA long
@@ -157,6 +163,7 @@ def estimate_acceptance(
     target's token, plus the target's own token. Only blocks whose every position has a label count (one cut
     short by the sequence's end would count as a miss). None when no held-out sequence has such a block."""
     rng = random.Random(seed)
+    device = model.fc.weight.device
     correct = torch.zeros(block - 1)
     anchors_seen, sequences, total = 0, 0, 0.0
     model.eval()
@@ -165,10 +172,11 @@ def estimate_acceptance(
         if length <= max(1, feats.first_anchor()):
             continue
         anchors = sample_anchors(length, max_anchors_per_sequence, rng, feats.first_anchor())
-        with autocast_on(bf16_autocast, feats.taps.device):
+        feats = feats.to(device)
+        with autocast_on(bf16_autocast, device):
             logits = block_logits(model, target, feats, anchors, block, mask_id)
         hits = logits.float().argmax(-1) == block_labels(feats, anchors, block)
-        correct += hits.float().sum(0)
+        correct += hits.float().sum(0).cpu()
         total += float((1 + hits.int().cumprod(1).sum(1)).sum())
         anchors_seen += anchors.shape[0]
         sequences += 1

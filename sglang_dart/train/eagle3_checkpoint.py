@@ -91,9 +91,9 @@ def new_drafter(target, vocab: DraftVocab, seed: int = 0) -> tuple[Eagle3Drafter
 def save(model: Eagle3Drafter, config: dict[str, Any], vocab: DraftVocab, out_dir: Path | str) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.to(torch.float32).contiguous() for k, v in model.state_for_checkpoint().items()}
-    tensors["d2t"] = vocab.d2t.to(torch.int64).contiguous()
-    tensors["t2d"] = (vocab.t2d >= 0).contiguous()
+    tensors = {k: v.to("cpu", torch.float32).contiguous() for k, v in model.state_for_checkpoint().items()}
+    tensors["d2t"] = vocab.d2t.to("cpu", torch.int64).contiguous()
+    tensors["t2d"] = (vocab.t2d >= 0).cpu().contiguous()
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"))
     return out_dir

@@ -46,7 +46,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Neox-style rotary embedding (Llama's) of x [..., T, D] at positions [T]."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
     angles = positions.float().unsqueeze(-1) * inv_freq  # [T, D/2]
     cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)
     half = dim // 2
@@ -143,14 +143,14 @@ class Eagle3Drafter(nn.Module):
         step k is meaningful for p >= k."""
         s = self.shape
         t = tokens.shape[0]
-        positions = torch.arange(t)
+        positions = torch.arange(t, device=taps.device)
         group = s.num_heads // s.num_kv_heads
         scale = 1.0 / math.sqrt(s.head_dim)
         hidden = self.fc(taps)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out_logits = []
-        idx = torch.arange(t)
+        idx = positions
         for k in range(steps):
             q, key, value = self._qkv(hidden, tokens, positions)
             keys.append(key.repeat_interleave(group, dim=0))

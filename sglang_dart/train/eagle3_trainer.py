@@ -87,9 +87,13 @@ def train(
             f"no training sequence has the {ttt_steps + 2} tokens {ttt_steps} unrolled steps need"
         )
 
+    device = model.fc.weight.device
+    on_device = vocab.to(device)
+
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
         first = rng.randrange(max(1, feats.input_ids.shape[0] - 1 - window + 1))
-        return window_loss(model, window_of(feats, vocab, first, window), ttt_steps, settings.row_decay)
+        win = window_of(feats.to(device), on_device, first, window)
+        return window_loss(model, win, ttt_steps, settings.row_decay)
 
     return fit(model, usable, settings, sequence_step, log, unit="step")
 
@@ -109,26 +113,28 @@ def estimate_acceptance(
     right guesses (the target's own token always comes along). None when no sequence is long enough."""
     was_training = model.training
     model.eval()
+    device = model.fc.weight.device
+    vocab = vocab.to(device)
     correct = torch.zeros(ttt_steps)
     anchors = 0
     chain_total = bound_total = 0.0
     sequences = 0
     try:
         for feats in data:
-            win = window_of(feats, vocab, 0, window)
+            win = window_of(feats.to(device), vocab, 0, window)
             n = win.tokens.shape[0]
             count = n - ttt_steps + 1 - win.first_origin
             if count <= 0:
                 continue
-            with autocast_on(bf16_autocast, feats.taps.device):
+            with autocast_on(bf16_autocast, device):
                 logits = model.ttt_logits(win.taps.to(model.fc.weight.dtype), win.tokens, ttt_steps)
-            a = win.first_origin + torch.arange(count)
+            a = win.first_origin + torch.arange(count, device=device)
             rows = torch.stack([logits[j][a + j].float() for j in range(ttt_steps)], dim=1)  # [A, steps, Vd]
             labels = torch.stack([win.labels[a + j] for j in range(ttt_steps)], dim=1)
             top1 = (rows.argmax(-1) == labels) & (labels >= 0)
             in_topk = (rows.topk(min(k, rows.shape[-1]), dim=-1).indices == labels.unsqueeze(-1)).any(-1)
             in_topk &= labels >= 0
-            correct += top1.float().sum(0)
+            correct += top1.float().sum(0).cpu()
             anchors += count
             chain_total += float((1 + _leading_hits(top1)).sum())
             bound_total += float((1 + _leading_hits(in_topk)).sum())

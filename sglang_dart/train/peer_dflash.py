@@ -143,7 +143,7 @@ def check_matches_target(config: dict, target_config: dict, where: Path) -> None
 
 def save(model: DFlashDrafter, config: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -170,7 +170,10 @@ def new_drafter(
     return DFlashDrafter(DFlashShape.from_config(config)), config
 
 
-def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out: list) -> dict:
+def train_and_save(
+    args: argparse.Namespace, target: Any, feats: list, held_out: list, device: torch.device
+) -> dict:
+    """Build the drafter from the (host) target, train it on `device`, save it from the host."""
     from transformers import AutoTokenizer
 
     target_config = target.config.to_dict()
@@ -192,9 +195,10 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
         final_norm = getattr(getattr(target, "model", None), "norm", None)
         if final_norm is not None:  # start at the scale the LM head was trained for
             model.norm.weight.data.copy_(final_norm.weight.detach().float())
+    model.to(device)  # the features move per step
     frozen = FrozenTarget(
-        embed=target.get_input_embeddings().weight.detach().float(),
-        lm_head=target.get_output_embeddings().weight.detach().float(),
+        embed=target.get_input_embeddings().weight.detach().float().to(device),
+        lm_head=target.get_output_embeddings().weight.detach().float().to(device),
     )
     print(
         f"DFLASH drafter: {config['num_hidden_layers']} layer(s), block {block}, mask token "

@@ -13,6 +13,8 @@ import argparse
 import time
 from typing import Any
 
+import torch
+
 from sglang_dart.train import eagle3_checkpoint, eagle3_trainer, run_summary
 from sglang_dart.train.vocab import most_frequent_vocab
 
@@ -31,7 +33,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out: list) -> dict:
+def train_and_save(
+    args: argparse.Namespace, target: Any, feats: list, held_out: list, device: torch.device
+) -> dict:
+    """Build the drafter from the (host) target, train it on `device`, save it from the host."""
     if args.eagle3_ttt_steps < 1 or args.eagle3_window < 2:
         raise SystemExit("--eagle3-ttt-steps must be >= 1 and --eagle3-window >= 2")
     vocab_size = target.config.vocab_size
@@ -45,6 +50,7 @@ def train_and_save(args: argparse.Namespace, target: Any, feats: list, held_out:
         f"windows of {args.eagle3_window}",
         flush=True,
     )
+    model.to(device)  # with the target's embedding (a buffer); the features move per step
     settings = run_summary.settings_from_args(args)  # anchors: unused (whole windows)
     started = time.monotonic()
     losses = eagle3_trainer.train(

@@ -252,3 +252,29 @@ def test_checkpoint_for_another_target_is_refused(dflash_ckpt, tmp_path):
     with pytest.raises(SystemExit, match="not a DFLASH drafter for this target: num_target_layers 8"):
         _train(other, tmp_path / "out", data, "--init", str(dflash_ckpt))
     assert not (tmp_path / "out").exists()
+
+
+def test_an_anchor_block_step_computes_on_the_drafters_device():
+    """What a --device cuda step runs, on `meta` (a device of its own that computes shapes only): features
+    and the frozen target tensors there, anchors drawn on the host, no tensor made on the host in the block
+    forward or its labels (a host tensor meeting a device one raises)."""
+    from sglang_dart.train.dflash_model import DFlashDrafter, DFlashShape
+    from sglang_dart.train.dflash_train import FrozenTarget, block_labels, block_logits
+    from sglang_dart.train.features import SequenceFeatures
+
+    shape = DFlashShape(
+        hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
+        num_context_features=3, rms_norm_eps=1e-6, rope_theta=10000.0,
+    )  # fmt: skip
+    model = DFlashDrafter(shape).to("meta")
+    frozen = FrozenTarget(
+        embed=torch.empty(100, 32, device="meta"), lm_head=torch.empty(100, 32, device="meta")
+    )
+    feats = SequenceFeatures(
+        torch.randint(0, 100, (20,)), torch.randn(20, 96).bfloat16(), torch.randint(0, 100, (20,))
+    ).to("meta")
+    anchors = torch.tensor([3, 8, 15])  # as the trainer draws them: on the host
+    logits = block_logits(model, frozen, feats, anchors, BLOCK, 7)
+    labels = block_labels(feats, anchors, BLOCK)
+    assert tuple(logits.shape) == (3, BLOCK - 1, 100) and logits.device.type == "meta"
+    assert tuple(labels.shape) == (3, BLOCK - 1) and labels.device.type == "meta"

@@ -290,3 +290,30 @@ def test_a_checkpoint_for_another_target_is_refused(
     dart = build_random_drafter(tmp_path / "dart", tiny_llama_dir)
     with pytest.raises(SystemExit, match="not an EAGLE3 checkpoint"):
         _train(tiny_llama_dir, tmp_path / "b", data, "--init", str(dart))
+
+
+def test_a_training_window_computes_on_the_drafters_device():
+    """What a --device cuda step runs, on `meta` (a device of its own that computes shapes only): host
+    features moved over, the window cut there, the unrolled forward with no tensor made on the host (a
+    host tensor meeting a device one raises)."""
+    from sglang_dart.train.eagle3_model import Eagle3Drafter, Eagle3Shape
+    from sglang_dart.train.eagle3_trainer import window_of
+    from sglang_dart.train.features import SequenceFeatures
+    from sglang_dart.train.vocab import DraftVocab
+
+    shape = Eagle3Shape(
+        hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
+        rope_theta=10000.0, vocab_size=100, draft_vocab_size=40,
+    )  # fmt: skip
+    model = Eagle3Drafter(shape, torch.randn(100, 32)).to("meta")
+    feats = SequenceFeatures(
+        torch.randint(0, 100, (20,)),
+        torch.randn(20, 96).bfloat16(),
+        torch.randint(0, 100, (20,)),
+        answer_start=5,
+    )
+    vocab = DraftVocab.of(torch.arange(40) * 2, 100).to("meta")
+    window = window_of(feats.to("meta"), vocab, 2, 16)
+    logits = model.ttt_logits(window.taps.float(), window.tokens, 3)
+    assert [tuple(x.shape) for x in logits] == [(16, 40)] * 3
+    assert all(x.device.type == "meta" for x in logits)

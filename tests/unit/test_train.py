@@ -411,11 +411,13 @@ def test_feature_noise_scales_with_each_tap_and_training_still_learns():
         (["--init", "CHECKPOINT", "--draft-vocab-size", "4096"], "grow, not shrink"),
         (["--device", "banana"], "--device 'banana'"),
         (["--device", "meta"], "'cpu' or 'cuda"),
-        (["--device", "cuda", "--format", "eagle3"], "trains on the CPU"),
-        pytest.param(
-            ["--device", "cuda"],
-            "no CUDA device",
-            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        *(
+            pytest.param(
+                ["--device", "cuda", "--format", name],
+                "no CUDA device",
+                marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+            )
+            for name in ("dart", "eagle3", "dflash")
         ),
     ],
 )
