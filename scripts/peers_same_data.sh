@@ -11,7 +11,8 @@
 # (default 3), EAGLE3_SETTINGS (default "3,4,8"), DEVICE (where the features and training run: cpu, the
 # default, or cuda), SERVE (0: train only, no store and no serving; for a GPU host, whose drafters are
 # served back here), DATA (a jsonl of answers instead of every committed one), PY and TARGET (the Python
-# and the target's directory; default: the set-up's .venv and the SmolLM2 it installs). A step whose output
+# and the target's directory; default: the set-up's .venv and the SmolLM2 it installs), TRAIN_ARGS (more
+# trainer options for every format, e.g. "--sequences-per-step 16" on a GPU). A step whose output
 # exists is skipped, so an interrupted run goes on where it stopped.
 set -euo pipefail
 OUT=${1:?usage: scripts/peers_same_data.sh OUT_DIR}
@@ -41,7 +42,7 @@ for format in $FORMATS; do
   echo "training $format for $MINUTES minutes ($(date +%T))"
   $PY -m sglang_dart.train --format "$format" --target "$TARGET" --data "$OUT/answers.jsonl" \
     --out "$OUT/$format" --target-dtype "$DTYPE" --max-minutes "$MINUTES" --max-steps 100000 \
-    --device "$DEVICE" --feature-cache "$OUT/features" > "$OUT/train-$format.log" 2>&1 \
+    --device "$DEVICE" --feature-cache "$OUT/features" ${TRAIN_ARGS:-} > "$OUT/train-$format.log" 2>&1 \
     || { tail -n 20 "$OUT/train-$format.log"; exit 1; }
   grep "estimated tau" "$OUT/train-$format.log" || true
 done
