@@ -65,6 +65,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 #   cat OUT/drafters.tar.part-* | tar -x    then serve or measure them on the CPU (benchmarks/peers.py).
 # DEADLINE (the call's limit, seconds from this script's start) stops the training 60 s before it, so that
 # the formats done by then (in FORMATS' order) still come back; a format cut short is not saved.
+# TRAIN_DEVICE=cpu (with MODEL, PY and a small DATA set) runs this mode as a smoke test on a CPU machine.
 if [ -n "${TRAIN_MINUTES:-}" ]; then
     [ -n "$MODEL" ] || { echo "TRAIN_MINUTES needs the target's real weights in the payload"; exit 3; }
     LEFT=$(( ${DEADLINE:-600} - ($(date +%s) - T0) - 60 ))
