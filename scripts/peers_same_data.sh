@@ -7,7 +7,9 @@
 # Data: every answer committed in data/smollm2-answers/ (none is a benchmark prompt). The target's features
 # are computed once and shared by every format (`--feature-cache`), so each further format costs its
 # training time only. Knobs (environment): MINUTES (training budget per drafter, default 30), FORMATS
-# (default "dart eagle3"; add dflash), DTYPE (default bfloat16), BATCH_SIZES (default "1"), REPEATS
+# (default "dart eagle3"; add dflash), DTYPE (the target's dtype for the features and the serving; default
+# bfloat16 on a GPU, on a CPU the one it multiplies fastest: bf16 with AMX or AVX512-BF16, else float32,
+# where a bf16 feature pass crawls), BATCH_SIZES (default "1"), REPEATS
 # (default 3), EAGLE3_SETTINGS (default "3,4,8"), DEVICE (where the features and training run: cpu, the
 # default, or cuda), SERVE (0: train only, no store and no serving; for a GPU host, whose drafters are
 # served back here), DATA (a jsonl of answers instead of every committed one), PY and TARGET (the Python
@@ -18,7 +20,6 @@ set -euo pipefail
 OUT=${1:?usage: scripts/peers_same_data.sh OUT_DIR}
 MINUTES=${MINUTES:-30}
 FORMATS=${FORMATS:-dart eagle3}
-DTYPE=${DTYPE:-bfloat16}
 BATCH_SIZES=${BATCH_SIZES:-1}
 REPEATS=${REPEATS:-3}
 EAGLE3_SETTINGS=${EAGLE3_SETTINGS:-3,4,8}
@@ -30,13 +31,17 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
 TARGET=${TARGET:-$($PY -m sglang_dart.assets smollm2 2>/dev/null | tail -n 1)}
+if [ -z "${DTYPE:-}" ]; then
+  if [ "${DEVICE%%:*}" = cuda ]; then DTYPE=bfloat16
+  else DTYPE=$($PY -c "from sglang_dart.dart.settings import fast_dtype_here; print(fast_dtype_here('cpu'))"); fi
+fi
 
 if [ ! -s "$OUT/answers.jsonl" ]; then
   if [ -n "${DATA:-}" ]; then cp "$DATA" "$OUT/answers.jsonl.tmp"
   else zcat data/smollm2-answers/*.jsonl.gz > "$OUT/answers.jsonl.tmp"; fi
   mv "$OUT/answers.jsonl.tmp" "$OUT/answers.jsonl"
 fi
-echo "data: $(wc -l < "$OUT/answers.jsonl") answers; training on $DEVICE"
+echo "data: $(wc -l < "$OUT/answers.jsonl") answers; training on $DEVICE, target in $DTYPE"
 for format in $FORMATS; do
   [ -f "$OUT/$format/config.json" ] && continue
   echo "training $format for $MINUTES minutes ($(date +%T))"
