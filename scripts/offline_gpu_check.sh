@@ -63,14 +63,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 # scratch for M minutes on this GPU on the answers in data/ (scripts/peers_same_data.sh, SERVE=0), and
 # come back cast to bf16 in 15 MiB parts (a call returns files of at most 16 MiB, 64 MiB in all):
 #   cat OUT/drafters.tar.part-* | tar -x    then serve or measure them on the CPU (benchmarks/peers.py).
-# DEADLINE (the call's limit, seconds from this script's start) stops the training 60 s before it, so that
-# the formats done by then (in FORMATS' order) still come back; a format cut short is not saved.
+# DEADLINE (the call's limit, seconds from this script's start) stops the training 60 s before it (SIGTERM:
+# the format training then saves what it has), so that the formats done by then (in FORMATS' order) still
+# come back; the later ones do not start.
 # TRAIN_DEVICE=cpu (with MODEL, PY and a small DATA set) runs this mode as a smoke test on a CPU machine.
 if [ -n "${TRAIN_MINUTES:-}" ]; then
     [ -n "$MODEL" ] || { echo "TRAIN_MINUTES needs the target's real weights in the payload"; exit 3; }
     LEFT=$(( ${DEADLINE:-600} - ($(date +%s) - T0) - 60 ))
     MINUTES=$TRAIN_MINUTES FORMATS=${FORMATS:-dart eagle3 dflash} DEVICE=${TRAIN_DEVICE:-cuda} SERVE=0 PY=$PY TARGET=$MODEL \
         timeout -k 10 "$LEFT" bash scripts/peers_same_data.sh /tmp/train; rc=$?
+    # timeout's SIGTERM ends the script at once; the trainer it reached stops after its step and saves
+    for _ in $(seq 40); do pgrep -f "sglang_dart.train " >/dev/null || break; sleep 1; done
     mkdir -p /tmp/back && (cd /tmp/train && tar -czf "$OUT/train-logs.tar.gz" ./*.log)
     for format in ${FORMATS:-dart eagle3 dflash}; do
         [ -f "/tmp/train/$format/config.json" ] && $PY scripts/cast_drafter.py "/tmp/train/$format" "/tmp/back/$format"

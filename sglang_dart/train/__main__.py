@@ -29,6 +29,7 @@ from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_dr
 from sglang_dart.train.estimate import estimate_acceptance, split_holdout
 from sglang_dart.train.feature_cache import FeatureCache
 from sglang_dart.train.features import SOFT_LABELS, collect_features, load_target
+from sglang_dart.train.stop_signal import stop_requested
 from sglang_dart.train.trainer import bf16_autocast_pays, train
 from sglang_dart.train.vocab import grown_vocab, most_frequent_vocab, vocab_from_d2t
 
@@ -252,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.monotonic() - trained_from
     save_drafter(model, config, vocab, args.out)
     run_summary.announce_saved(losses, seconds, args.out)
-    estimate = estimate_acceptance(model, held_out, vocab, bf16_autocast=args.bf16, seed=args.seed)
+    estimate = None  # a run stopped by a signal saves and goes, before a second signal ends it
+    if not stop_requested():
+        estimate = estimate_acceptance(model, held_out, vocab, bf16_autocast=args.bf16, seed=args.seed)
     if estimate is not None:
         print(estimate.describe(), flush=True)
     report = run_summary.report(args, losses, seconds, feats, held_out, estimate)

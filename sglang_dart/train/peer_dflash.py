@@ -23,6 +23,7 @@ from sglang_dart.train import run_summary
 from sglang_dart.train.dflash_model import DFlashDrafter, DFlashShape
 from sglang_dart.train.dflash_train import FrozenTarget, estimate_acceptance, train
 from sglang_dart.train.features import tap_layers
+from sglang_dart.train.stop_signal import stop_requested
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -213,9 +214,11 @@ def train_and_save(
     seconds = time.monotonic() - started
     save(model, config, args.out)
     run_summary.announce_saved(losses, seconds, args.out)
-    estimate = estimate_acceptance(
-        model, frozen, held_out, block, mask_id, bf16_autocast=args.bf16, seed=args.seed
-    )
+    estimate = None  # a run stopped by a signal saves and goes, before a second signal ends it
+    if not stop_requested():
+        estimate = estimate_acceptance(
+            model, frozen, held_out, block, mask_id, bf16_autocast=args.bf16, seed=args.seed
+        )
     if estimate is not None:
         print(estimate.describe(), flush=True)
     return run_summary.report(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from sglang_dart.train import eagle3_checkpoint, eagle3_trainer, run_summary
+from sglang_dart.train.stop_signal import stop_requested
 from sglang_dart.train.vocab import most_frequent_vocab
 
 
@@ -65,9 +66,11 @@ def train_and_save(
     seconds = time.monotonic() - started
     eagle3_checkpoint.save(model, config, vocab, args.out)
     run_summary.announce_saved(losses, seconds, args.out)
-    estimate = eagle3_trainer.estimate_acceptance(
-        model, held_out, vocab, args.eagle3_ttt_steps, bf16_autocast=args.bf16
-    )
+    estimate = None  # a run stopped by a signal saves and goes, before a second signal ends it
+    if not stop_requested():
+        estimate = eagle3_trainer.estimate_acceptance(
+            model, held_out, vocab, args.eagle3_ttt_steps, bf16_autocast=args.bf16
+        )
     if estimate is not None:
         print(estimate.describe().replace("by row", "by step"), flush=True)
     return run_summary.report(

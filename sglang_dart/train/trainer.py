@@ -19,6 +19,7 @@ from torch import nn
 from sglang_dart.drafter.model import DartDrafter
 from sglang_dart.train.blocks import block_logits
 from sglang_dart.train.features import SequenceFeatures
+from sglang_dart.train.stop_signal import stop_on_signals, stop_requested
 from sglang_dart.train.vocab import DraftVocab
 
 
@@ -222,40 +223,44 @@ def fit(
         return text.replace("top-1 by row", f"top-1 by {unit}")
 
     model.train()
-    for step in range(settings.max_steps):
-        elapsed = time.monotonic() - start
-        if elapsed > settings.max_seconds:
-            log(f"time budget reached after {step} steps")
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = settings.learning_rate * lr_factor(settings, step, elapsed)
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        for _ in range(settings.sequences_per_step):
-            if not order:
-                order = list(range(len(usable)))
-                rng.shuffle(order)
-            feats = usable[order.pop()]
-            with bf16_autocast(settings.bf16_autocast, device):
-                loss, stats = sequence_step(feats, rng)
-            (loss / settings.sequences_per_step).backward()
-            step_loss += float(loss.detach()) / settings.sequences_per_step
-            for row, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
-                window.add(row, int(c), int(t))
-        nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        optimizer.step()
-        losses.append(step_loss)
-        elapsed = time.monotonic() - start
-        if live and (elapsed - shown >= 0.5 or step + 1 == settings.max_steps):
-            sys.stderr.write(f"\r\033[K{line(step + 1, elapsed, losses[-20:])}")
-            sys.stderr.flush()
-            shown = elapsed
-        by_time = log_seconds is not None and elapsed - logged_at >= log_seconds
-        if settings.log_every and ((step + 1) % settings.log_every == 0 or by_time):
-            if live:
-                sys.stderr.write("\r\033[K")
-            log(line(step + 1, elapsed, losses[logged_step:]))
-            window, logged_at, logged_step = RowStats(), elapsed, step + 1
+    with stop_on_signals():  # a first SIGTERM/SIGINT ends the loop after its step; the run saves
+        for step in range(settings.max_steps):
+            elapsed = time.monotonic() - start
+            if elapsed > settings.max_seconds:
+                log(f"time budget reached after {step} steps")
+                break
+            if stop_requested():
+                log(f"stopped by a signal after {step} steps")
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = settings.learning_rate * lr_factor(settings, step, elapsed)
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for _ in range(settings.sequences_per_step):
+                if not order:
+                    order = list(range(len(usable)))
+                    rng.shuffle(order)
+                feats = usable[order.pop()]
+                with bf16_autocast(settings.bf16_autocast, device):
+                    loss, stats = sequence_step(feats, rng)
+                (loss / settings.sequences_per_step).backward()
+                step_loss += float(loss.detach()) / settings.sequences_per_step
+                for row, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
+                    window.add(row, int(c), int(t))
+            nn.utils.clip_grad_norm_(params, settings.grad_clip)
+            optimizer.step()
+            losses.append(step_loss)
+            elapsed = time.monotonic() - start
+            if live and (elapsed - shown >= 0.5 or step + 1 == settings.max_steps):
+                sys.stderr.write(f"\r\033[K{line(step + 1, elapsed, losses[-20:])}")
+                sys.stderr.flush()
+                shown = elapsed
+            by_time = log_seconds is not None and elapsed - logged_at >= log_seconds
+            if settings.log_every and ((step + 1) % settings.log_every == 0 or by_time):
+                if live:
+                    sys.stderr.write("\r\033[K")
+                log(line(step + 1, elapsed, losses[logged_step:]))
+                window, logged_at, logged_step = RowStats(), elapsed, step + 1
     if live:
         sys.stderr.write("\n")
     if len(losses) > logged_step:  # the steps since the last logged line
