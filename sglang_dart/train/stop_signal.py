@@ -24,10 +24,10 @@ def request_stop() -> None:
 def stop_on_signals() -> Iterator[None]:
     """While inside: the first SIGTERM or SIGINT asks for a stop, a second one ends the process as the
     signal would have. Outside the main thread (no handlers there) it changes nothing."""
+    _requested.clear()  # a request belongs to one loop: an earlier stopped run's must not end this one
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _requested.clear()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum: int, frame: object) -> None:
