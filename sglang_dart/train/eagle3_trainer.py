@@ -7,7 +7,7 @@ trainer's (`trainer.py`)."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -30,6 +30,12 @@ class Window:
     tokens: torch.Tensor  # [n]
     labels: torch.Tensor  # [n] draft ids, -100 outside the draft vocabulary
     first_origin: int = 0
+
+    def to(self, device: torch.device | str) -> Window:
+        """The window's tensors on `device`: a step moves its window, not its whole sequence."""
+        return replace(
+            self, taps=self.taps.to(device), tokens=self.tokens.to(device), labels=self.labels.to(device)
+        )
 
 
 def window_of(feats: SequenceFeatures, vocab: DraftVocab, start: int, length: int) -> Window:
@@ -88,11 +94,10 @@ def train(
         )
 
     device = model.fc.weight.device
-    on_device = vocab.to(device)
 
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
         first = rng.randrange(max(1, feats.input_ids.shape[0] - 1 - window + 1))
-        win = window_of(feats.to(device), on_device, first, window)
+        win = window_of(feats, vocab, first, window).to(device)
         return window_loss(model, win, ttt_steps, settings.row_decay)
 
     return fit(model, usable, settings, sequence_step, log, unit="step")
@@ -114,14 +119,13 @@ def estimate_acceptance(
     was_training = model.training
     model.eval()
     device = model.fc.weight.device
-    vocab = vocab.to(device)
     correct = torch.zeros(ttt_steps)
     anchors = 0
     chain_total = bound_total = 0.0
     sequences = 0
     try:
         for feats in data:
-            win = window_of(feats.to(device), vocab, 0, window)
+            win = window_of(feats, vocab, 0, window).to(device)
             n = win.tokens.shape[0]
             count = n - ttt_steps + 1 - win.first_origin
             if count <= 0:

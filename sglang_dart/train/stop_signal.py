@@ -16,10 +16,6 @@ def stop_requested() -> bool:
     return _requested.is_set()
 
 
-def request_stop() -> None:
-    _requested.set()
-
-
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """While inside: the first SIGTERM or SIGINT asks for a stop, a second one ends the process as the

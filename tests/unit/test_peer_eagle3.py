@@ -293,8 +293,8 @@ def test_a_checkpoint_for_another_target_is_refused(
 
 
 def test_a_training_window_computes_on_the_drafters_device():
-    """What a --device cuda step runs, on `meta` (a device of its own that computes shapes only): host
-    features moved over, the window cut there, the unrolled forward with no tensor made on the host (a
+    """What a --device cuda step runs, on `meta` (a device of its own that computes shapes only): the
+    window cut from host features and moved over, the unrolled forward with no tensor made on the host (a
     host tensor meeting a device one raises)."""
     from sglang_dart.train.eagle3_model import Eagle3Drafter, Eagle3Shape
     from sglang_dart.train.eagle3_trainer import window_of
@@ -312,8 +312,9 @@ def test_a_training_window_computes_on_the_drafters_device():
         torch.randint(0, 100, (20,)),
         answer_start=5,
     )
-    vocab = DraftVocab.of(torch.arange(40) * 2, 100).to("meta")
-    window = window_of(feats.to("meta"), vocab, 2, 16)
+    vocab = DraftVocab.of(torch.arange(40) * 2, 100)
+    window = window_of(feats, vocab, 2, 16).to("meta")
+    assert all(t.device.type == "meta" for t in (window.taps, window.tokens, window.labels))
     logits = model.ttt_logits(window.taps.float(), window.tokens, 3)
     assert [tuple(x.shape) for x in logits] == [(16, 40)] * 3
     assert all(x.device.type == "meta" for x in logits)
