@@ -134,10 +134,16 @@ mod avx512 {
             let mut first = 0;
             while first < rows {
                 let (tile_x, tile_out) = (&x[first * k..], &mut column[first..]);
+                // One tile for whatever is left up to 8 rows (7 split 4 + 2 + 1 read each weight
+                // vector three times; the draft's head and MLP run at 7 rows for trees of 8).
                 first += match rows - first {
                     8.. => tile_dot::<8>(tile_x, weights, tile_out, k),
-                    4..=7 => tile_dot::<4>(tile_x, weights, tile_out, k),
-                    2..=3 => tile_dot::<2>(tile_x, weights, tile_out, k),
+                    7 => tile_dot::<7>(tile_x, weights, tile_out, k),
+                    6 => tile_dot::<6>(tile_x, weights, tile_out, k),
+                    5 => tile_dot::<5>(tile_x, weights, tile_out, k),
+                    4 => tile_dot::<4>(tile_x, weights, tile_out, k),
+                    3 => tile_dot::<3>(tile_x, weights, tile_out, k),
+                    2 => tile_dot::<2>(tile_x, weights, tile_out, k),
                     _ => tile_dot::<1>(tile_x, weights, tile_out, k),
                 };
             }
@@ -165,8 +171,12 @@ mod avx512 {
                 let tile_x = &x[first * k..];
                 first += match rows - first {
                     8.. => paired_tile_dot::<8>(tile_x, weights, columns, first, rows, k),
-                    4..=7 => paired_tile_dot::<4>(tile_x, weights, columns, first, rows, k),
-                    2..=3 => paired_tile_dot::<2>(tile_x, weights, columns, first, rows, k),
+                    7 => paired_tile_dot::<7>(tile_x, weights, columns, first, rows, k),
+                    6 => paired_tile_dot::<6>(tile_x, weights, columns, first, rows, k),
+                    5 => paired_tile_dot::<5>(tile_x, weights, columns, first, rows, k),
+                    4 => paired_tile_dot::<4>(tile_x, weights, columns, first, rows, k),
+                    3 => paired_tile_dot::<3>(tile_x, weights, columns, first, rows, k),
+                    2 => paired_tile_dot::<2>(tile_x, weights, columns, first, rows, k),
                     _ => paired_tile_dot::<1>(tile_x, weights, columns, first, rows, k),
                 };
             }
@@ -341,11 +351,12 @@ mod tests {
     #[test]
     fn a_row_gets_the_same_bits_whatever_the_other_rows() {
         // An odd number of weight rows and a k with a tail: paired and single weight rows, every tile
-        // split (9 rows: 8 + 1; 13: 8 + 4 + 1; 16: 8 + 8) against the row alone.
+        // split (2-8 rows: one tile; 9 rows: 8 + 1; 13: 8 + 5; 15: 8 + 7; 16: 8 + 8) against the row
+        // alone.
         let (k, n) = (100, 201);
         let x = values(16 * k, 3);
         let w = values(n * k, 4);
-        for rows in [9, 13, 16] {
+        for rows in [2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16] {
             let mut all = vec![0u16; rows * n];
             skinny_matmul_bf16(&x[..rows * k], &w, &mut all, rows, k, n).unwrap();
             for m in 0..rows {
