@@ -12,8 +12,9 @@
 # Magpie's prompts rarely hold): about 5,700 answers, some 2 hours of generation on a 2-core VM.
 # The answers committed in COMMITTED (default data/smollm2-answers, *.jsonl.gz: made by the same tools,
 # see its README) join them, one answer per prompt; MAGPIE=0 MAGPIE_CODE=0 CODE_PROMPTS=0 trains on those alone.
-# DTYPE (default bfloat16) is the target dtype of generation and training; use the dtype you will serve in
-# (float32 on CPUs without bf16 matrix instructions, where it is several times faster). TRAIN_MINUTES
+# DTYPE is the target dtype of generation and training; use the dtype you will serve in. Its default is
+# this CPU's fast one (`fast_dtype_here`): bfloat16 with AMX or AVX512-BF16, float32 elsewhere, where
+# bfloat16 runs several times slower. TRAIN_MINUTES
 # (default 60) and MAX_STEPS (default 3000) bound training, whichever ends first; CONCURRENCY (default 32)
 # is the generation batch. INIT (a drafter directory, e.g. the shipped one) continues training that drafter
 # instead of starting a new one, at learning rate LR (default 1e-3; the shipped drafter's second stage used
@@ -23,7 +24,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/train_smollm2_drafter.sh OUT_DIR}
-DTYPE=${DTYPE:-bfloat16}
+PY=.venv/bin/python
+if [ -z "${DTYPE:-}" ]; then
+  DTYPE=$($PY -c "from sglang_dart.dart.settings import fast_dtype_here; print(fast_dtype_here('cpu'))")
+fi
 TRAIN_MINUTES=${TRAIN_MINUTES:-60}
 MAX_STEPS=${MAX_STEPS:-3000}
 CONCURRENCY=${CONCURRENCY:-32}
@@ -35,7 +39,6 @@ INIT=${INIT:-}
 LR=${LR:-1e-3}
 CODE_SYSTEM="You are an expert programming assistant. Users ask you to write, complete, fix, explain and \
 review code in Python, JavaScript, TypeScript, C, C++, Rust, Go, Java, SQL and shell scripts."
-PY=.venv/bin/python
 mkdir -p "$OUT"
 
 target=$($PY -m sglang_dart.assets smollm2 2>/dev/null | tail -n 1)
