@@ -42,6 +42,7 @@ def _drafter(dtype: torch.dtype, draft_length: int, draft_vocab: int) -> LlamaFo
     model.attach_target(embed, SMOLLM2_135M["hidden_size"], SMOLLM2_135M["vocab_size"])
     with torch.no_grad():
         model.drafter.midlayer.mask_rep.normal_()
+    model.drafter.join_projections()  # as `load_weights` leaves a served drafter: q/k/v and gate/up joined
     return model
 
 
