@@ -1,14 +1,18 @@
-"""One batched draft forward (`DraftForward.step`, through SGLang's KV pool and the CPU attention backend)
-as a decode step runs it, by batch size and by the depth
-it drafts to. A step drafts only as deep as the next tree can reach (a tree of N nodes past its root is
-at most N deep), so trees of 4 need 3 of the d + 1 rows; this prints each depth's time and its ratio to
-the full depth, measured interleaved in one process.
+"""One batched draft forward (through SGLang's KV pool and the CPU attention backend), by batch size and by
+the depth it drafts to. A step drafts only as deep as the next tree can reach (a tree of N nodes past its
+root is at most N deep), so trees of 4 need 3 of the d + 1 rows; this prints each depth's time and its
+ratio to the full depth, measured interleaved in one process.
 
-    .venv/bin/python benchmarks/draft_forward.py [--batch-sizes 1 4 16] [--depths 3 7 8] [--dtype bfloat16]
+    .venv/bin/python benchmarks/draft_forward.py [--batch-sizes 1 4 16] [--depths 3 7 8] [--dtype bfloat16] \\
+        [--after verify|prefill] [--tree-size 8]
 
 Shapes are SmolLM2-135M's with the trained drafter's settings (d = 7, draft vocabulary 8192); the weights
 are random, which does not change the time. Every request has a `--prefix`-token history in the draft's
 K/V and commits `--accepted` tokens per step.
+
+`--after verify` (the default) times what a decode step runs after its verify: the accepted path's
+residual store and `DraftForward.block_step` over a `--tree-size` tree (laid out on the device, `size + 1
++ masks` rows per request). `--after prefill` times `DraftForward.step`, the draft after a prefill.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def _time_steps(
 ) -> dict:
     """Median ms of a step per depth, the depths interleaved repeat by repeat."""
     hidden = SMOLLM2_135M["hidden_size"]
-    max_len = args.prefix + args.accepted + 1
+    # Room for the prefix, a tree and its mask slots (`block_step` writes columns up to root + size + d).
+    max_len = args.prefix + max(args.accepted, args.tree_size) + model.cfg.draft_length + 2
     req_to_token = (torch.arange(bs * max_len, dtype=torch.int32) + 1).view(bs, max_len)
     runner = draft_forward_over_pools(model, req_to_token, bs * max_len + 1)
     rpi = list(range(bs))
@@ -59,16 +64,41 @@ def _time_steps(
     runner.store_residuals(slots, torch.randn(slots.numel(), 3 * hidden, dtype=model.drafter.fc.weight.dtype))
     first = [args.prefix - 1] * bs
     last = [args.prefix + args.accepted - 1] * bs
-    next_tokens = torch.randint(0, SMOLLM2_135M["vocab_size"], (bs * (args.accepted + 1),)).tolist()
+    vocab = SMOLLM2_135M["vocab_size"]
+    next_tokens = torch.randint(0, vocab, (bs * (args.accepted + 1),)).tolist()
+    full = model.cfg.draft_length + 1
+
+    def after_prefill(depth: int | None) -> None:
+        runner.step(rpi, first, last, next_tokens, depth)
+
+    # After a verify: request r's root sits at position `prefix` (its entries before are stored), its tree
+    # nodes are verify rows r * size .. r * size + size - 1, and the first `accepted` of them are its path.
+    size = args.tree_size
+    rows_t = torch.arange(bs, dtype=torch.int64)
+    committed = torch.full((bs,), args.prefix, dtype=torch.int64)
+    path_nodes = (rows_t.unsqueeze(1) * size + torch.arange(size)).to(torch.int32)
+    accept_lens = torch.full((bs,), min(args.accepted, size), dtype=torch.int32)
+    taps = torch.randn(bs * size, 3 * hidden, dtype=model.drafter.fc.weight.dtype)
+    predict = torch.randint(0, vocab, (bs * size,))
+    roots = torch.randint(0, vocab, (bs,))
+
+    def after_verify(depth: int | None) -> None:
+        runner.store_path_residuals(rows_t, committed, path_nodes, accept_lens, taps)
+        committed_list = [args.prefix] * bs
+        runner.block_step(
+            rows_t, committed_list, committed, path_nodes, accept_lens, predict, roots, depth or full
+        )
+
+    draft = after_verify if args.after == "verify" else after_prefill
     with torch.no_grad():
         for depth in depths:  # warm-up
-            runner.step(rpi, first, last, next_tokens, depth)
+            draft(depth)
         times: dict = {depth: [] for depth in depths}
         for _ in range(args.repeats):
             for depth in depths:
                 start = time.perf_counter()
                 for _ in range(args.steps):
-                    runner.step(rpi, first, last, next_tokens, depth)
+                    draft(depth)
                 times[depth].append((time.perf_counter() - start) * 1000 / args.steps)
     return {depth: statistics.median(ms) for depth, ms in times.items()}
 
@@ -84,6 +114,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--prefix", type=int, default=200)
     parser.add_argument("--accepted", type=int, default=2, help="tokens each request commits per step")
+    parser.add_argument("--after", choices=["verify", "prefill"], default="verify", help="which draft path")
+    parser.add_argument("--tree-size", type=int, default=8, help="the verified tree's nodes (--after verify)")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
@@ -91,7 +123,8 @@ def main() -> None:
     full = args.draft_length + 1
     depths = [None] + sorted({d for d in args.depths if 0 < d < full})
     print(
-        f"draft step, {args.dtype}, d = {args.draft_length}, prefix {args.prefix}, {args.accepted} committed"
+        f"draft step after a {args.after}, {args.dtype}, d = {args.draft_length}, prefix {args.prefix}, "
+        f"{args.accepted} committed" + (f", trees of {args.tree_size}" if args.after == "verify" else "")
     )
     print("| batch | depth | ms per step | / full depth |")
     print("|---|---|---|---|")
