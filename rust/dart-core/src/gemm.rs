@@ -234,8 +234,8 @@ mod avx2 {
         while first < rows {
             let (tile_x, tile_out) = (&x[first * k..], &mut out[first..]);
             // One tile for whatever is left up to ROWS: 7 rows split 4 + 2 + 1 read each weight
-            // vector three times and cost 16-22% more than 8 rows (the draft's head and MLP run at 7 rows
-            // for trees of 8).
+            // vector three times and cost 16-22% more than 8 rows (the draft's head and MLP run at
+            // 7 rows for trees of 8).
             first += match rows - first {
                 8.. if ROWS >= 8 => tile_dot::<8, C>(tile_x, weights, tile_out, rows, k),
                 7 if ROWS >= 8 => tile_dot::<7, C>(tile_x, weights, tile_out, rows, k),
