@@ -81,10 +81,10 @@ def _time_steps(
     taps = torch.randn(bs * size, 3 * hidden, dtype=model.drafter.fc.weight.dtype)
     predict = torch.randint(0, vocab, (bs * size,))
     roots = torch.randint(0, vocab, (bs,))
+    committed_list = [args.prefix] * bs
 
     def after_verify(depth: int | None) -> None:
         runner.store_path_residuals(rows_t, committed, path_nodes, accept_lens, taps)
-        committed_list = [args.prefix] * bs
         runner.block_step(
             rows_t, committed_list, committed, path_nodes, accept_lens, predict, roots, depth or full
         )
