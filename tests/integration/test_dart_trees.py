@@ -50,13 +50,14 @@ def own_store_assets(
 
 
 @pytest.fixture(scope="module")
-def accepting_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
-    """DART servers whose trees predict the target, started side by side at the first one's use (each
-    test stops its own when done): "overlap" and "sync" (--disable-overlap-schedule) with metrics on."""
-    dart_args = own_store_assets[2]
+def tree_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
+    """The module's DART servers whose trees predict the target, started side by side at the first one's
+    use: "dart" with overlap scheduling (SGLang's default), metrics on and custom logit processors allowed;
+    "sync", the same trees with `--disable-overlap-schedule`, stopped by its τ test."""
+    dart_args = [*own_store_assets[2], "--enable-metrics"]
     variants = {
-        "overlap": ([*dart_args, "--enable-metrics"], "qwen3-tau-overlap"),
-        "sync": ([*dart_args, "--disable-overlap-schedule", "--enable-metrics"], "qwen3-tau-sync"),
+        "dart": ([*dart_args, "--enable-custom-logit-processor", *SEED], "qwen3-dart-features"),
+        "sync": ([*dart_args, "--disable-overlap-schedule"], "qwen3-tau-sync"),
     }
     servers = {
         name: SglangServer(tiny_qwen3_dir, args, server_logs / f"{log}.log")
@@ -64,6 +65,19 @@ def accepting_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator
     }
     with serving(servers):
         yield servers
+
+
+@pytest.fixture(scope="module")
+def accepting_servers(tree_servers) -> dict[str, SglangServer]:
+    """DART under both schedules SGLang offers: "overlap" (the feature tests' DART server) and "sync"."""
+    return {"overlap": tree_servers["dart"], "sync": tree_servers["sync"]}
+
+
+@pytest.fixture(scope="module")
+def feature_servers(qwen3_plain, tree_servers) -> dict[str, SglangServer]:
+    """A plain and a DART server (trees that predict the target) that take custom logit processors; the
+    plain one is the session's (tests/integration/conftest.py says why it runs without overlap)."""
+    return {"plain": qwen3_plain, "dart": tree_servers["dart"]}
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "sync"])
@@ -80,7 +94,8 @@ def test_drafts_are_accepted_when_the_store_knows_the_target(own_store_assets, a
         speculative = run_all(server, prompts, 4, n=48)
         metrics = requests.get(f"{server.url}/metrics", timeout=30).text
     finally:
-        server.stop()
+        if schedule == "sync":  # the overlap server serves the feature tests too
+            server.stop()
     for spec, ref in zip(speculative, outputs, strict=True):
         assert spec["output_ids"] == ref["output_ids"]
     emitted = sum(len(o["output_ids"]) for o in speculative)
@@ -142,7 +157,7 @@ def _frontend_program():
 def test_frontend_programs_run_on_dart(own_store_assets, qwen3_plain, feature_servers):
     """SGLang frontend programs against a DART server: every variable and the whole text equal the same
     program's against the plain server, run four at a time, with drafts accepted on the way. (The DART
-    server is the logit-processor tests' one, started here: its extra flags do not touch these requests.)"""
+    server is the τ and logit-processor tests' one: its extra flags do not touch these requests.)"""
     import sglang as sgl
 
     prompts = own_store_assets[0]
@@ -187,22 +202,6 @@ def _processor_requests(prompts: list[str], unconstrained: list[dict]) -> list[d
             body["custom_logit_processor"] = disallow
         requests_.append(body)
     return requests_
-
-
-@pytest.fixture(scope="module")
-def feature_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
-    """A plain and a DART server (trees that predict the target) that take custom logit processors. The
-    plain one runs without overlap scheduling: with it, SGLang's penalizers count a request's tokens one
-    step late (they read its output while the step producing the newest token is still in flight), so
-    penalties would lag by one token behind plain decoding's own definition, which DART follows."""
-    flag = ["--enable-custom-logit-processor", *SEED]
-    plain = ["--dtype", "float32", "--disable-overlap-schedule"]
-    servers = {
-        name: SglangServer(tiny_qwen3_dir, [*args, *flag], server_logs / f"qwen3-{name}-features.log")
-        for name, args in (("plain", plain), ("dart", own_store_assets[2]))
-    }
-    with serving(servers):
-        yield servers
 
 
 def _both(servers: dict[str, SglangServer], bodies: list[dict]) -> dict[str, list[dict]]:

@@ -4,7 +4,7 @@ decoding token for token (float32, 50 prompts, concurrency 8; 1 too in the night
 really accepted.
 
 The drafter is trained here, beside the EAGLE3 module's (`peer_drafters`, tests/support/peer_training.py):
-200 steps in float32 on the plain server's own greedy answers to the test prompts, so that it accepts enough
+150 steps in float32 on the plain server's own greedy answers to the test prompts, so that it accepts enough
 for the accept path (several tokens committed per verify step) to be exercised. Blocks of 4."""
 
 from __future__ import annotations
