@@ -27,7 +27,7 @@ def qwen3_plain(tiny_qwen3_dir, server_logs) -> Iterator[SglangServer]:
     logit processors and runs without overlap scheduling: with it, SGLang's penalizers count a request's
     tokens one step late (they read its output while the step producing the newest token is still in
     flight), so penalties would lag one token behind plain decoding's own definition, which DART follows.
-    Neither changes what a request without a processor gets (one server start fewer than a second one)."""
+    Neither changes what a request without a processor gets, and sharing it saves a server start."""
     args = ["--dtype", "float32", *SEED, "--enable-custom-logit-processor", "--disable-overlap-schedule"]
     server = SglangServer(tiny_qwen3_dir, args, server_logs / "qwen3-plain.log")
     with serving({"qwen3-plain": server}):
