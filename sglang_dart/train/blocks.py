@@ -20,7 +20,7 @@ from sglang_dart.drafter.model import DartDrafter
 
 @dataclass(frozen=True)
 class BlockLogits:
-    real: torch.Tensor  # [n, Vd]: row 0 of the anchor at every real position
+    real: torch.Tensor  # [n or len(real_rows), Vd]: row 0 of the anchor at each wanted real position
     masks: torch.Tensor  # [A, d, Vd]: rows 1..d of each anchor's block
 
 
@@ -43,10 +43,19 @@ def block_attention_mask(num_real: int, anchors: torch.Tensor, draft_length: int
 
 
 def block_logits(
-    model: DartDrafter, taps: torch.Tensor, next_tokens: torch.Tensor, anchors: torch.Tensor
+    model: DartDrafter,
+    taps: torch.Tensor,
+    next_tokens: torch.Tensor,
+    anchors: torch.Tensor,
+    real_rows: torch.Tensor | None = None,
 ) -> BlockLogits:
     """taps: [n, 3·H_target] target taps of real positions 0..n-1; next_tokens: [n] the token after each;
-    anchors: [A] real positions that each get a block of d mask slots."""
+    anchors: [A] real positions that each get a block of d mask slots; real_rows: the real positions
+    whose row-0 logits are wanted (`BlockLogits.real` in that order), None for all of them.
+
+    Every real position still enters attention as a key, but only the wanted ones (and the mask slots)
+    go on as queries through the MLP and the head: a prompt's positions, which training never
+    supervises, cost the head's products for nothing (about a third of a sequence's real rows)."""
     cfg = model.cfg
     n, d, num_anchors = taps.shape[0], cfg.draft_length, anchors.shape[0]
     residual_real = model.fuse(taps)
@@ -56,14 +65,20 @@ def block_logits(
     slot_positions = (anchors.unsqueeze(1) + torch.arange(1, d + 1, device=taps.device)).reshape(-1)
     positions = torch.cat([torch.arange(n, device=taps.device), slot_positions])
     q, k, v = model.project_qkv(attn_in, positions)
+    allowed = block_attention_mask(n, anchors, d)
+    if real_rows is not None:
+        slots = torch.arange(n, attn_in.shape[0], device=taps.device)
+        queries = torch.cat([real_rows.to(device=taps.device, dtype=torch.int64), slots])
+        q, allowed, residual = q[queries], allowed[queries], residual[queries]
     context = nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1).float(),
         k.transpose(0, 1).float(),
         v.transpose(0, 1).float(),
-        attn_mask=block_attention_mask(n, anchors, d),
+        attn_mask=allowed,
         scale=1.0 / math.sqrt(cfg.head_dim),
         enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads,
     )
-    context = context.transpose(0, 1).reshape(attn_in.shape[0], -1).to(attn_in.dtype)
+    context = context.transpose(0, 1).reshape(q.shape[0], -1).to(attn_in.dtype)
     logits = model.head(residual, context)
-    return BlockLogits(real=logits[:n], masks=logits[n:].view(num_anchors, d, -1))
+    wanted = n if real_rows is None else real_rows.shape[0]
+    return BlockLogits(real=logits[:wanted], masks=logits[wanted:].view(num_anchors, d, -1))

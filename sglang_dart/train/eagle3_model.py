@@ -130,17 +130,23 @@ class Eagle3Drafter(nn.Module):
         v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim).transpose(0, 1)
         return rope(q, positions, s.rope_theta), rope(k, positions, s.rope_theta), v
 
-    def _finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pre-norm output fed back, logits over the draft vocabulary)."""
+    def _finish(
+        self, hidden: torch.Tensor, attn: torch.Tensor, logits_from: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm output fed back, logits over the draft vocabulary of rows `logits_from` on)."""
         s = self.shape
         mid = self.o_proj(attn) + hidden
         mlp_in = rms_norm(mid, self.post_attention_layernorm, s.rms_norm_eps)
         out = self.down_proj(nn.functional.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in)) + mid
-        return out, self.lm_head(rms_norm(out, self.norm, s.rms_norm_eps))
+        return out, self.lm_head(rms_norm(out[logits_from:], self.norm, s.rms_norm_eps))
 
-    def ttt_logits(self, taps: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def ttt_logits(
+        self, taps: torch.Tensor, tokens: torch.Tensor, steps: int, supervised_from: int | None = None
+    ) -> list[torch.Tensor]:
         """Logits [T, Vd] of steps 0..steps-1 at every position p (token tokens[p], position p). Row p of
-        step k is meaningful for p >= k."""
+        step k is meaningful for p >= k. With `supervised_from` = s, step k's logits start at row s + k
+        ([T - s - k, Vd]): every position still feeds the next step, but the head, the largest product,
+        skips the rows training never supervises (a window's prompt positions)."""
         s = self.shape
         t = tokens.shape[0]
         positions = torch.arange(t, device=taps.device)
@@ -168,7 +174,8 @@ class Eagle3Drafter(nn.Module):
             attn = torch.matmul(probs[..., :t], values[0])
             for i in range(1, k + 1):
                 attn = attn + probs[..., t + i - 1 : t + i] * shift_rows(values[i], k - i)
-            out, logits = self._finish(hidden, attn.transpose(0, 1).reshape(t, -1))
+            logits_from = 0 if supervised_from is None else min(supervised_from + k, t)
+            out, logits = self._finish(hidden, attn.transpose(0, 1).reshape(t, -1), logits_from)
             out_logits.append(logits)
             hidden = shift_rows(out, 1)  # position p of the next step continues from p - 1's output
         return out_logits

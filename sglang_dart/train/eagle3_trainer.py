@@ -50,20 +50,27 @@ def window_of(feats: SequenceFeatures, vocab: DraftVocab, start: int, length: in
     )
 
 
-def step_rows(logits: list[torch.Tensor], window: Window) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def step_rows(
+    logits: list[torch.Tensor], window: Window, trimmed: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(logits, labels) of the positions each unrolled step k is defined at: p >= k, and its chain's origin
-    p - k from the window's first origin on."""
+    p - k from the window's first origin on. `trimmed`: the logits already start there
+    (`ttt_logits(..., supervised_from=window.first_origin)`)."""
     skip = window.first_origin
-    return [(step_logits[k + skip :], window.labels[k + skip :]) for k, step_logits in enumerate(logits)]
+    return [
+        (step_logits if trimmed else step_logits[k + skip :], window.labels[k + skip :])
+        for k, step_logits in enumerate(logits)
+    ]
 
 
 def window_loss(
     model: Eagle3Drafter, window: Window, steps: int, decay: float
 ) -> tuple[torch.Tensor, RowStats]:
-    logits = model.ttt_logits(window.taps.to(model.fc.weight.dtype), window.tokens, steps)
+    taps = window.taps.to(model.fc.weight.dtype)
+    logits = model.ttt_logits(taps, window.tokens, steps, supervised_from=window.first_origin)
     stats = RowStats()
     losses, weights = [], []
-    for k, (rows, labels) in enumerate(step_rows(logits, window)):
+    for k, (rows, labels) in enumerate(step_rows(logits, window, trimmed=True)):
         keep = labels >= 0
         if not bool(keep.any()):
             continue

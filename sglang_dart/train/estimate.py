@@ -92,10 +92,9 @@ def estimate_acceptance(
             anchors = sample_anchors(num_real - d, max_anchors_per_sequence, rng, first).to(device)
             feats = feats.to(device)
             with autocast_on(bf16_autocast, device):
-                out = block_logits(
-                    model, feats.taps[:num_real].to(model.fc.weight.dtype), feats.input_ids[1:], anchors
-                )
-            rows = torch.cat([out.real[anchors].unsqueeze(1), out.masks], dim=1).float()  # [A, d + 1, Vd]
+                taps = feats.taps[:num_real].to(model.fc.weight.dtype)
+                out = block_logits(model, taps, feats.input_ids[1:], anchors, real_rows=anchors)
+            rows = torch.cat([out.real.unsqueeze(1), out.masks], dim=1).float()  # [A, d + 1, Vd]
             rows_ahead = torch.arange(d + 1, device=device)
             label_index = anchors.unsqueeze(1) + 1 + rows_ahead  # row j: the token at p + 1 + j
             labels = vocab.to_draft(feats.labels[label_index])  # -100: outside the draft vocabulary

@@ -89,18 +89,19 @@ def sequence_loss(
     d = model.cfg.draft_length
     num_real = feats.input_ids.shape[0] - 1
     taps = feats.taps[:num_real].to(model.fc.weight.dtype)
-    out = block_logits(model, taps, feats.input_ids[1:], anchors)
+    first = min(feats.first_anchor(), num_real)
+    real_rows = torch.arange(first, num_real, device=anchors.device)
+    out = block_logits(model, taps, feats.input_ids[1:], anchors, real_rows)
     labels = vocab.to_draft(feats.labels)  # draft ids, -100 outside the draft vocabulary
     stats = RowStats()
     weighted, weights = [], []
-    row0_labels = labels[1 : num_real + 1].clone()
-    row0_labels[: feats.first_anchor()] = -100
+    row0_labels = labels[1 + first : num_real + 1]
     label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1, device=anchors.device)  # [A, d]
     valid = label_index < labels.shape[0]
     clamped = label_index.clamp(max=labels.shape[0] - 1)
     mask_labels = torch.where(valid, labels[clamped], -100)
     # Each row's positions: row 0 at every real position, row j of every anchor at p+1+j.
-    positions = [torch.arange(1, num_real + 1, device=anchors.device)] + [clamped[:, j] for j in range(d)]
+    positions = [real_rows + 1] + [clamped[:, j] for j in range(d)]
     rows = [(out.real, row0_labels)] + [(out.masks[:, j], mask_labels[:, j]) for j in range(d)]
     soft = soft_weight > 0 and feats.soft_ids is not None and feats.soft_probs is not None
     for row, (logits, target) in enumerate(rows):

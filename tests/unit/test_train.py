@@ -78,6 +78,23 @@ def test_training_forward_equals_serving_forward(seed):
             torch.testing.assert_close(out.masks[a], serving[1:], rtol=1e-4, atol=1e-4)
 
 
+def test_wanted_real_rows_give_the_same_logits_as_all_rows():
+    """Training skips the head at unsupervised real positions: the rows it keeps must not change."""
+    model, _, _ = _drafter(vocab_size=30, seed=3)
+    n = 13
+    gen = torch.Generator().manual_seed(7)
+    taps = torch.randn(n, 96, generator=gen)
+    next_tokens = torch.randint(0, 50, (n,), generator=gen)
+    anchors = torch.tensor([5, 6, 9, 12])
+    with torch.no_grad():
+        full = block_logits(model, taps, next_tokens, anchors)
+        for wanted in (torch.arange(5, n), anchors, torch.tensor([], dtype=torch.int64)):
+            part = block_logits(model, taps, next_tokens, anchors, real_rows=wanted)
+            assert part.real.shape[0] == wanted.shape[0]
+            torch.testing.assert_close(part.real, full.real[wanted], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(part.masks, full.masks, rtol=1e-5, atol=1e-5)
+
+
 def _copy_task(
     count: int, length: int, seed: int, sequence_seed: int | None = None
 ) -> list[SequenceFeatures]:
