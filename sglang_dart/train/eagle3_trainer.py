@@ -137,10 +137,12 @@ def estimate_acceptance(
             count = n - ttt_steps + 1 - win.first_origin
             if count <= 0:
                 continue
+            taps = win.taps.to(model.fc.weight.dtype)
             with autocast_on(bf16_autocast, device):
-                logits = model.ttt_logits(win.taps.to(model.fc.weight.dtype), win.tokens, ttt_steps)
+                logits = model.ttt_logits(taps, win.tokens, ttt_steps, supervised_from=win.first_origin)
             a = win.first_origin + torch.arange(count, device=device)
-            rows = torch.stack([logits[j][a + j].float() for j in range(ttt_steps)], dim=1)  # [A, steps, Vd]
+            # step j's logits start at row first_origin + j, so anchor a's guess is row a - first_origin
+            rows = torch.stack([logits[j][:count].float() for j in range(ttt_steps)], dim=1)  # [A, steps, Vd]
             labels = torch.stack([win.labels[a + j] for j in range(ttt_steps)], dim=1)
             top1 = (rows.argmax(-1) == labels) & (labels >= 0)
             in_topk = (rows.topk(min(k, rows.shape[-1]), dim=-1).indices == labels.unsqueeze(-1)).any(-1)
