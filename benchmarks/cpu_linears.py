@@ -1,8 +1,9 @@
 """The model's linear layers at a few rows, as a CPU server runs them: each product preceded by the small
 torch ops that separate linears in a forward (an RMSNorm, a K/V concat, a tiny SDPA), so that thread
 wake-ups and idle cores count as they do in serving. Times the whole loop (linears and ops between)
-for SGLang's product (`F.linear`) and for `sglang_dart._core.skinny_matmul` (`skinny_matmul_bf16` for
-bf16), interleaved, and prints the medians and their ratio.
+for SGLang's product (`F.linear`), for `sglang_dart._core.skinny_matmul` (`skinny_matmul_bf16` for
+bf16) and, for bf16 where torch's oneDNN takes them, for weights packed once (`packed`), interleaved,
+and prints the medians and their ratio to F.linear.
 
     .venv/bin/python benchmarks/cpu_linears.py [--rows 1 8 16] [--repeats 7] [--layers 30] [--dtype bfloat16]
 
@@ -40,7 +41,7 @@ if ARGS.dtype == "float32":  # before torch loads libgomp, as the launcher does 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from sglang_dart.cpu.skinny_gemm import PRODUCTS  # noqa: E402
+from sglang_dart.cpu.skinny_gemm import PRODUCTS, packed_weights, packing_available  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
@@ -68,9 +69,20 @@ def main() -> None:
     all_threads = torch.get_num_threads()
     rust_threads = 1 if dtype == torch.bfloat16 else all_threads
     forms = {"torch": (PRODUCTS["torch"], all_threads), "rust": (PRODUCTS["rust"], rust_threads)}
+    if dtype == torch.bfloat16 and packing_available():
+        forms["packed"] = (PRODUCTS["packed"], all_threads)
+        for layer in weights:  # packed once, as a server packs each weight at its first product
+            for weight in layer:
+                packed_weights.get(weight)
     spin = os.environ.get("GOMP_SPINCOUNT", "unset")
     print(f"{args.dtype}; torch threads {all_threads} (beside Rust {rust_threads}), GOMP_SPINCOUNT={spin}")
-    print("| rows | F.linear ms | skinny_matmul ms | F.linear / skinny_matmul |\n|---|---|---|---|")
+    others = [name for name in forms if name != "torch"]
+    print(
+        "| rows | F.linear ms | "
+        + " | ".join(f"{name} ms | F.linear / {name}" for name in others)
+        + " |\n|---|---|"
+        + "---|---|" * len(others)
+    )
     for rows in args.rows:
         inputs = [torch.randn(rows, k, dtype=dtype) for _, k in SHAPES]
         between = _OpsBetween(rows, dtype)
@@ -85,8 +97,9 @@ def main() -> None:
                         product(x, weight)
                 times[name].append(time.perf_counter() - start)
         torch.set_num_threads(all_threads)
-        torch_ms, rust_ms = (statistics.median(times[name]) * 1e3 for name in forms)
-        print(f"| {rows} | {torch_ms:.1f} | {rust_ms:.1f} | {torch_ms / rust_ms:.2f}x |", flush=True)
+        ms = {name: statistics.median(times[name]) * 1e3 for name in forms}
+        cells = " | ".join(f"{ms[name]:.1f} | {ms['torch'] / ms[name]:.2f}x" for name in others)
+        print(f"| {rows} | {ms['torch']:.1f} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

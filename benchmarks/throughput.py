@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "--cpu-gemm",
         nargs="+",
         default=["auto"],
-        choices=["auto", "transposed", "torch", "rust"],
+        choices=["auto", "transposed", "torch", "rust", "packed"],
         help="SGLANG_DART_CPU_SKINNY_GEMM of the servers; each form after the first adds a copy of "
         "every server but NGRAM with that form",
     )

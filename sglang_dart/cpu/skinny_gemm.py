@@ -6,6 +6,11 @@ both only stream W from memory once, which makes a tree verify step cost far mor
 Three forms compute the same product:
 - `torch`: `F.linear`, exactly SGLang's computation;
 - `transposed`: `(W @ x.T).T`, which the BLAS runs at the one-row speed for some wide shapes;
+- `packed` (bf16 weights): torch's own oneDNN product with the weight reordered once, at its first use,
+  into oneDNN's blocked layout and kept beside it (`PackedWeights`). `F.linear` on a bf16 weight
+  reorders it on every call, streaming it from memory twice more than the product needs; for up to 16
+  rows both give the same bits. The copies cost as much memory as the weights they pack, within
+  `SGLANG_DART_PACKED_WEIGHTS_GB` (default 4; 0 turns the form off); past it the rest stay unpacked.
 - `rust`: `sglang_dart._core.skinny_matmul` (float32, up to 64 rows), which reads each weight row once
   for all input rows (AVX2/FMA where the CPU has them), on the calling thread plus a small team of
   helper threads (`rust/dart-core/src/team.rs`). In the server on the EPYC it beat the BLAS at 1-31 rows
@@ -18,10 +23,11 @@ Which is fastest depends on the CPU, the BLAS, the shape and the row count, so e
 weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread count, on its own serving
 calls: the first calls of a bucket rotate through the forms and are timed, then the fastest is kept.
 
-`SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `rust` (force a
-form wherever it applies). The Rust team has as many threads (caller included) as torch uses in the
-process unless `SGLANG_DART_GEMM_THREADS` says otherwise; `SGLANG_DART_GEMM_SPIN_US` (default 0; 1000
-where `small_step_threads` is on) makes its helpers poll that long after each product before sleeping.
+`SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `rust`,
+`packed` (force a form wherever it applies). The Rust team has as many threads (caller included) as torch
+uses in the process unless `SGLANG_DART_GEMM_THREADS` says otherwise; `SGLANG_DART_GEMM_SPIN_US` (default
+0; 1000 where `small_step_threads` is on) makes its helpers poll that long after each product before
+sleeping.
 
 After each parallel region libgomp's workers spin (GOMP_SPINCOUNT, 300000 by default) waiting for the
 next one, and on a 2-core machine that spinning takes a core from the Rust helpers. So where the Rust
@@ -37,6 +43,7 @@ import logging
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,7 +62,7 @@ from sglang_dart._core import (
 logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_DART_CPU_SKINNY_GEMM"
-FORMS = ("torch", "transposed", "rust")
+FORMS = ("torch", "transposed", "rust", "packed")
 MODES = ("auto", *FORMS)
 # From ~128 rows on, the BLAS's own blocking wins (measured crossover on the EPYC).
 MAX_ROWS = 96
@@ -167,14 +174,94 @@ def _bf16_rust_now() -> bool:
     return mode() == "rust" or torch.get_num_threads() == 1
 
 
+PACKED_BUDGET_ENV = "SGLANG_DART_PACKED_WEIGHTS_GB"
+DEFAULT_PACKED_BUDGET_GB = 4.0
+# The row count oneDNN lays the packed weight out for; any count can use it (verify trees, few requests).
+PACKED_FOR_ROWS = 16
+
+
+@functools.cache
+def packing_available() -> bool:
+    """Whether torch's oneDNN takes bf16 products with a prepacked weight here (AVX-512 and up)."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # private ops: another torch build may lack them
+        return False
+
+
+@functools.cache
+def packed_budget_bytes() -> int:
+    """SGLANG_DART_PACKED_WEIGHTS_GB in bytes (read once: `_forms_for` asks on every product)."""
+    value = os.environ.get(PACKED_BUDGET_ENV, "").strip() or str(DEFAULT_PACKED_BUDGET_GB)
+    try:
+        gigabytes = float(value)
+    except ValueError:
+        gigabytes = -1.0
+    if not gigabytes >= 0:  # also rejects nan
+        raise ValueError(f"{PACKED_BUDGET_ENV}={value!r}: expected a size in GB, 0 or more")
+    return int(gigabytes * 2**30)
+
+
+class PackedWeights:
+    """oneDNN-packed copies of bf16 weights, one per weight tensor while it lives, within a byte budget.
+    `clear()` drops them all: after a weight update, SGLang writes new values into the same tensors."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self.bytes = 0
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of `weight`, made now if the budget allows; None if it does not."""
+        entry = self._by_id.get(id(weight))
+        if entry is not None and entry[0]() is weight:
+            return entry[1]
+        size = weight.numel() * weight.element_size()
+        if self.bytes + size > packed_budget_bytes():
+            return None
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACKED_FOR_ROWS)
+        key = id(weight)
+        # When the weight goes, so does its copy (and its id may then name another tensor).
+        ref = weakref.ref(weight, lambda _, key=key, size=size: self._forget(key, size))
+        self._by_id[key] = (ref, packed)
+        self.bytes += size
+        return packed
+
+    def _forget(self, key: int, size: int) -> None:
+        if self._by_id.pop(key, None) is not None:
+            self.bytes -= size
+
+    def clear(self) -> None:
+        self._by_id.clear()
+        self.bytes = 0
+
+
+packed_weights = PackedWeights()
+
+
+def _packed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    packed = packed_weights.get(weight)
+    if packed is None:  # over the budget: the same product, unpacked
+        return F.linear(x, weight)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "torch": _torch,
     "transposed": _transposed,
     "rust": _rust,
+    "packed": _packed,
 }
 
 
 def _forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ...]:
+    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    packed_fits = (
+        weight.dtype == x.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and packing_available()
+        and packed_budget_bytes() > 0
+        and not training  # oneDNN's packed product has no backward
+    )
     rust_fits = (
         weight.dtype == x.dtype
         and weight.dtype in rust_dtypes()
@@ -182,9 +269,10 @@ def _forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, .
         and rows <= SKINNY_MATMUL_MAX_ROWS
         and weight.is_contiguous()
         # The Rust product has no backward: training (the drafter's) stays with torch.
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not training
     )
-    one_row = ("torch", "rust") if rust_fits else ("torch",)  # (W @ x.T).T is the same call for one row
+    one_row = ("torch", *(("rust",) if rust_fits else ()), *(("packed",) if packed_fits else ()))
+    # (W @ x.T).T is F.linear's own call for one row
     return one_row if rows == 1 else (*one_row[:1], "transposed", *one_row[1:])
 
 
@@ -201,6 +289,8 @@ def _timed_product(choice: _BucketChoice, x: torch.Tensor, weight: torch.Tensor)
     """One call while the bucket is undecided: the form with the fewest samples, timed; decide when all
     have enough."""
     form = min(choice.forms, key=lambda f: len(choice.seconds.setdefault(f, [])))
+    if form == "packed":
+        packed_weights.get(weight)  # a one-off reorder, not part of the product's time
     start = time.perf_counter()
     out = PRODUCTS[form](x, weight)
     choice.seconds[form].append(time.perf_counter() - start)
@@ -260,7 +350,8 @@ def install() -> None:
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.utils.common import use_intel_amx_backend
 
-    mode()  # a bad value fails at start-up, not on the first request
+    mode()  # bad values fail at start-up, not on the first request
+    packed_budget_bytes()
     if getattr(UnquantizedLinearMethod.apply, "_sglang_dart", False):
         return
     sglang_apply = UnquantizedLinearMethod.apply
@@ -289,3 +380,33 @@ def install() -> None:
     apply._sglang_dart = True
     UnquantizedLinearMethod.apply = apply
     logits_processor.LogitsProcessor._compute_lm_head = compute_lm_head
+    drop_packed_weights_after_updates()
+
+
+WEIGHT_UPDATES = (
+    "update_weights_from_disk",
+    "update_weights_from_distributed",
+    "update_weights_from_tensor",
+    "update_weights_from_ipc",
+)
+
+
+def drop_packed_weights_after_updates() -> None:
+    """SGLang updates weights in place (RL rollouts, /update_weights_from_disk): the packed copies would
+    go stale, so every update drops them all; the next products pack the new values."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    for name in WEIGHT_UPDATES:
+        update = getattr(WeightUpdater, name, None)
+        if update is None or getattr(update, "_sglang_dart", False):
+            continue
+
+        @functools.wraps(update)
+        def dropping(*args, _update=update, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            try:
+                return _update(*args, **kwargs)
+            finally:  # a failed update may have written some tensors already
+                packed_weights.clear()
+
+        dropping._sglang_dart = True
+        setattr(WeightUpdater, name, dropping)
