@@ -7,10 +7,11 @@ Three forms compute the same product:
 - `torch`: `F.linear`, exactly SGLang's computation;
 - `transposed`: `(W @ x.T).T`, which the BLAS runs at the one-row speed for some wide shapes;
 - `packed` (bf16 weights): torch's own oneDNN product with the weight reordered once, at its first use,
-  into oneDNN's blocked layout and kept beside it (`PackedWeights`). `F.linear` on a bf16 weight
-  reorders it on every call, streaming it from memory twice more than the product needs; for up to 16
-  rows both give the same bits. The copies cost as much memory as the weights they pack, within
-  `SGLANG_DART_PACKED_WEIGHTS_GB` (default 4; 0 turns the form off); past it the rest stay unpacked.
+  into oneDNN's blocked layout and kept beside it (`PackedWeights`). `F.linear` hands oneDNN the weight
+  in its plain layout, and its kernel copies it into the blocked one on every call; up to 16 rows both
+  give the same bits (DART 7-11% faster on the AMX Xeon, benchmarks/results/throughput.md, run 65).
+  The copies cost as much memory as the weights they pack, within `SGLANG_DART_PACKED_WEIGHTS_GB`
+  (default 4; 0 turns the form off); past it the rest stay unpacked.
 - `rust`: `sglang_dart._core.skinny_matmul` (float32, up to 64 rows), which reads each weight row once
   for all input rows (AVX2/FMA where the CPU has them), on the calling thread plus a small team of
   helper threads (`rust/dart-core/src/team.rs`). In the server on the EPYC it beat the BLAS at 1-31 rows
