@@ -1,4 +1,4 @@
-"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The three launches
+"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The four launches
 run side by side (each is mostly single-threaded imports) in one module fixture; each test reads its own."""
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ def refused_launches(tiny_llama_dir, tmp_path_factory) -> dict[str, subprocess.C
         "bad gemm setting": (
             [str(tiny_llama_dir), "--device", "cpu"],
             {"SGLANG_DART_CPU_SKINNY_GEMM": "fastest"},
+        ),
+        "bad packed budget": (
+            [str(tiny_llama_dir), "--device", "cpu"],
+            {"SGLANG_DART_PACKED_WEIGHTS_GB": "lots"},
         ),
     }
     with ThreadPoolExecutor(max_workers=len(launches)) as pool:
@@ -47,3 +51,7 @@ def test_unknown_device_is_rejected(refused_launches):
 
 def test_bad_cpu_gemm_setting_stops_the_launcher(refused_launches):
     _refused_naming(refused_launches["bad gemm setting"], "SGLANG_DART_CPU_SKINNY_GEMM='fastest'")
+
+
+def test_bad_packed_weights_budget_stops_the_launcher(refused_launches):
+    _refused_naming(refused_launches["bad packed budget"], "SGLANG_DART_PACKED_WEIGHTS_GB='lots'")
