@@ -3,7 +3,7 @@
 `F.linear(x, W)` with x of 1..~100 rows goes through the BLAS as `x @ W.T`. On some CPUs (measured: an
 AMD EPYC with AVX2 and MKL 2024.2) the 8-row call costs 2-3x the one-row call for wide layers even though
 both only stream W from memory once, which makes a tree verify step cost far more than a decode step.
-Three forms compute the same product:
+Four forms compute the same product:
 - `torch`: `F.linear`, exactly SGLang's computation;
 - `transposed`: `(W @ x.T).T`, which the BLAS runs at the one-row speed for some wide shapes;
 - `packed` (bf16 weights): torch's own oneDNN product with the weight reordered once, at its first use,
