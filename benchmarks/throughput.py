@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from sglang_dart.assets import smollm2_dir
+    from sglang_dart.cpu.skinny_gemm import MODES as CPU_GEMM_MODES
     from sglang_dart.server_process import SglangServer, dart_flags, stop_servers_on_sigterm
 
     parser = dart_parser(__doc__, required=False)
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         "--cpu-gemm",
         nargs="+",
         default=["auto"],
-        choices=["auto", "transposed", "torch", "rust", "packed"],
+        choices=CPU_GEMM_MODES,
         help="SGLANG_DART_CPU_SKINNY_GEMM of the servers; each form after the first adds a copy of "
         "every server but NGRAM with that form",
     )

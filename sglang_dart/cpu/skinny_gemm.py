@@ -213,14 +213,14 @@ class PackedWeights:
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of `weight`, made now if the budget allows; None if it does not."""
-        entry = self._by_id.get(id(weight))
+        key = id(weight)
+        entry = self._by_id.get(key)
         if entry is not None and entry[0]() is weight:
             return entry[1]
         size = weight.numel() * weight.element_size()
         if self.bytes + size > packed_budget_bytes():
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACKED_FOR_ROWS)
-        key = id(weight)
         # When the weight goes, so does its copy (and its id may then name another tensor).
         ref = weakref.ref(weight, lambda _, key=key, size=size: self._forget(key, size))
         self._by_id[key] = (ref, packed)
@@ -242,7 +242,7 @@ packed_weights = PackedWeights()
 def _packed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     packed = packed_weights.get(weight)
     if packed is None:  # over the budget: the same product, unpacked
-        return F.linear(x, weight)
+        return _torch(x, weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
