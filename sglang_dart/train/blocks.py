@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from sglang_dart.drafter.model import DartDrafter
 
 
 @dataclass(frozen=True)
 class BlockLogits:
+    all: torch.Tensor  # [len(real_rows) + A·d, Vd]: `real`'s rows, then `masks`' (one tensor, for a loss)
     real: torch.Tensor  # [n or len(real_rows), Vd]: row 0 of the anchor at each wanted real position
     masks: torch.Tensor  # [A, d, Vd]: rows 1..d of each anchor's block
 
@@ -40,6 +40,52 @@ def block_attention_mask(num_real: int, anchors: torch.Tensor, draft_length: int
     same_block = block.unsqueeze(0) == block.unsqueeze(1)
     allowed[num_real:, num_real:] = same_block & (slot.unsqueeze(0) <= slot.unsqueeze(1))
     return allowed
+
+
+def block_attention(
+    queries: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    real_rows: torch.Tensor,
+    anchors: torch.Tensor,
+    draft_length: int,
+    scale: float,
+) -> torch.Tensor:
+    """What `block_attention_mask` allows, computed by parts instead of over the dense [R, R] mask.
+
+    queries: [m + A·d, heads, hd], the wanted real rows' queries (positions `real_rows`) then every slot's;
+    k, v: [n + A·d, kv_heads, hd], every real position's then every slot's. Returns [m + A·d, heads·hd].
+    Each query sees the real keys up to a limit (its own position, or its block's anchor) and a slot
+    also the earlier slots of its block, so the products are queries × real keys plus one d × d product
+    per block: about a third of the dense square's work, which was most of a training step's attention."""
+    num_slots = anchors.shape[0] * draft_length
+    m, n = queries.shape[0] - num_slots, k.shape[0] - num_slots
+    heads, kv_heads, hd = queries.shape[1], k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    # [kv_heads, group, Q, hd]: query heads grouped under the key/value head they share (GQA)
+    q = queries.view(-1, kv_heads, group, hd).permute(1, 2, 0, 3)
+    k_real, v_real = k[:n].permute(1, 0, 2).unsqueeze(1), v[:n].permute(1, 0, 2).unsqueeze(1)
+    limits = torch.cat([real_rows, anchors.repeat_interleave(draft_length)])
+    hidden = torch.arange(n, device=k.device).unsqueeze(0) > limits.unsqueeze(1)  # [Q, n]
+    scores = torch.matmul(q, k_real.transpose(-1, -2)).mul(scale).masked_fill(hidden, float("-inf"))
+    # real rows: the causal prefix alone
+    out_real = torch.matmul(torch.softmax(scores[:, :, :m], -1), v_real)
+    # slots: the prefix up to their anchor, then slots 1..j of their own block
+    a, d = anchors.shape[0], draft_length
+    q_slots = q[:, :, m:].reshape(kv_heads, group, a, d, hd)
+    k_block = k[n:].view(a, d, kv_heads, hd).permute(2, 0, 1, 3).unsqueeze(1)  # [kv, 1, a, d, hd]
+    v_block = v[n:].view(a, d, kv_heads, hd).permute(2, 0, 1, 3).unsqueeze(1)
+    later = torch.ones(d, d, dtype=torch.bool, device=k.device).triu(1)
+    block_scores = (
+        torch.matmul(q_slots, k_block.transpose(-1, -2)).mul(scale).masked_fill(later, float("-inf"))
+    )
+    block_scores = block_scores.reshape(kv_heads, group, a * d, d)
+    probs = torch.softmax(torch.cat([scores[:, :, m:], block_scores], -1), -1)
+    out_slots = torch.matmul(probs[..., :n], v_real) + torch.matmul(
+        probs[..., n:].reshape(kv_heads, group, a, d, d), v_block
+    ).reshape(kv_heads, group, a * d, hd)
+    out = torch.cat([out_real, out_slots], 2)  # [kv_heads, group, Q, hd]
+    return out.permute(2, 0, 1, 3).reshape(queries.shape[0], heads * hd)
 
 
 def block_logits(
@@ -65,20 +111,12 @@ def block_logits(
     slot_positions = (anchors.unsqueeze(1) + torch.arange(1, d + 1, device=taps.device)).reshape(-1)
     positions = torch.cat([torch.arange(n, device=taps.device), slot_positions])
     q, k, v = model.project_qkv(attn_in, positions)
-    allowed = block_attention_mask(n, anchors, d)
-    if real_rows is not None:
-        slots = torch.arange(n, attn_in.shape[0], device=taps.device)
-        queries = torch.cat([real_rows.to(device=taps.device, dtype=torch.int64), slots])
-        q, allowed, residual = q[queries], allowed[queries], residual[queries]
-    context = nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).float(),
-        k.transpose(0, 1).float(),
-        v.transpose(0, 1).float(),
-        attn_mask=allowed,
-        scale=1.0 / math.sqrt(cfg.head_dim),
-        enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads,
-    )
-    context = context.transpose(0, 1).reshape(q.shape[0], -1).to(attn_in.dtype)
+    wanted_real = torch.arange(n, device=taps.device) if real_rows is None else real_rows.to(taps.device)
+    wanted_real = wanted_real.to(torch.int64)
+    queries = torch.cat([q[wanted_real], q[n:]])
+    residual = torch.cat([residual[wanted_real], residual[n:]])
+    context = block_attention(queries, k, v, wanted_real, anchors, d, 1.0 / math.sqrt(cfg.head_dim))
+    context = context.to(attn_in.dtype)
     logits = model.head(residual, context)
-    wanted = n if real_rows is None else real_rows.shape[0]
-    return BlockLogits(real=logits[:wanted], masks=logits[wanted:].view(num_anchors, d, -1))
+    wanted = wanted_real.shape[0]
+    return BlockLogits(all=logits, real=logits[:wanted], masks=logits[wanted:].view(num_anchors, d, -1))

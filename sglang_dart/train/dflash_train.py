@@ -17,7 +17,7 @@ from torch import nn
 from sglang_dart.train import trainer
 from sglang_dart.train.dflash_model import DFlashDrafter
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import RowStats, TrainSettings, fit
+from sglang_dart.train.trainer import RowStats, TrainSettings, fit, top1_hits
 from sglang_dart.train.trainer import bf16_autocast as autocast_on
 
 LOG_SECONDS = 15.0
@@ -86,7 +86,7 @@ def block_loss(
     flat = logits.reshape(-1, logits.shape[-1])
     losses = nn.functional.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="none")
     losses = losses.view(labels.shape)
-    hits = (logits.detach().argmax(-1) == labels) & (labels >= 0)
+    hits = top1_hits(logits, labels)
     stats = RowStats()
     total, weights = logits.new_zeros(()), 0.0
     for j in range(block - 1):

@@ -15,7 +15,7 @@ from torch import nn
 from sglang_dart.train.eagle3_model import Eagle3Drafter
 from sglang_dart.train.estimate import AcceptEstimate, _leading_hits
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import RowStats, TrainSettings, fit
+from sglang_dart.train.trainer import RowStats, TrainSettings, fit, top1_hits
 from sglang_dart.train.trainer import bf16_autocast as autocast_on
 from sglang_dart.train.vocab import DraftVocab
 
@@ -77,7 +77,7 @@ def window_loss(
         rows, labels = rows[keep].float(), labels[keep]
         losses.append(nn.functional.cross_entropy(rows, labels) * decay**k)
         weights.append(decay**k)
-        stats.add(k, int((rows.argmax(-1) == labels).sum()), int(labels.shape[0]))
+        stats.add(k, int(top1_hits(rows, labels).sum()), int(labels.shape[0]))
     if not losses:
         return logits[0].sum() * 0.0, stats
     return torch.stack(losses).sum() / sum(weights), stats

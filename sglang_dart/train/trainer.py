@@ -65,6 +65,16 @@ class SequenceLoss:
     stats: RowStats
 
 
+def top1_hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Bool per row of logits [..., V]: the label (-100: none) has the row's largest logit. For the
+    trainers' progress stats only: on CPU this is about 9x cheaper than `argmax`, and it differs from
+    it only on exact ties."""
+    with torch.no_grad():
+        logits = logits.detach()
+        label_logit = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (labels >= 0) & (label_logit >= logits.amax(-1))
+
+
 def soft_cross_entropy(logits: torch.Tensor, draft_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """Per row of logits [n, Vd]: cross-entropy against the target's top-K distribution (draft ids [n, K],
     -1 outside the draft vocabulary), renormalized over the tokens the draft vocabulary has."""
@@ -93,34 +103,43 @@ def sequence_loss(
     real_rows = torch.arange(first, num_real, device=anchors.device)
     out = block_logits(model, taps, feats.input_ids[1:], anchors, real_rows)
     labels = vocab.to_draft(feats.labels)  # draft ids, -100 outside the draft vocabulary
-    stats = RowStats()
-    weighted, weights = [], []
     row0_labels = labels[1 + first : num_real + 1]
     label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1, device=anchors.device)  # [A, d]
     valid = label_index < labels.shape[0]
     clamped = label_index.clamp(max=labels.shape[0] - 1)
     mask_labels = torch.where(valid, labels[clamped], -100)
-    # Each row's positions: row 0 at every real position, row j of every anchor at p+1+j.
-    positions = [real_rows + 1] + [clamped[:, j] for j in range(d)]
-    rows = [(out.real, row0_labels)] + [(out.masks[:, j], mask_labels[:, j]) for j in range(d)]
-    soft = soft_weight > 0 and feats.soft_ids is not None and feats.soft_probs is not None
-    for row, (logits, target) in enumerate(rows):
-        keep = target >= 0
-        if not bool(keep.any()):
-            continue
-        logits, target = logits[keep].float(), target[keep]
-        loss = nn.functional.cross_entropy(logits, target)
-        if soft:
-            at = positions[row][keep]
-            draft_ids = vocab.t2d[feats.soft_ids[at].long()]
-            soft_loss = soft_cross_entropy(logits, draft_ids, feats.soft_probs[at]).mean()
-            loss = (1 - soft_weight) * loss + soft_weight * soft_loss
-        weighted.append(loss * row_decay**row)
-        weights.append(row_decay**row)
-        stats.add(row, int((logits.argmax(-1) == target).sum()), int(target.shape[0]))
-    if not weighted:  # every label fell outside the draft vocabulary: nothing to learn here
-        return SequenceLoss(out.real.sum() * 0.0, stats)
-    return SequenceLoss(torch.stack(weighted).sum() / sum(weights), stats)
+    # One loss over every logits row at once (slicing it per draft row made the backward fill and add
+    # a zero gradient of all the logits once per row): row 0 at every real position, row j of every
+    # anchor at p+1+j; each draft row's mean, weighted by gamma^row.
+    targets = torch.cat([row0_labels, mask_labels.reshape(-1)])
+    row_of = torch.cat(
+        [
+            torch.zeros_like(row0_labels),
+            torch.arange(1, d + 1, device=anchors.device).repeat(anchors.shape[0]),
+        ]
+    )
+    keep = targets >= 0
+    logits = out.all.float()
+    per_token = nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
+    if soft_weight > 0 and feats.soft_ids is not None and feats.soft_probs is not None:
+        positions = torch.cat([real_rows + 1, clamped.reshape(-1)])
+        draft_ids = vocab.t2d[feats.soft_ids[positions].long()]
+        soft = soft_cross_entropy(logits, draft_ids, feats.soft_probs[positions])
+        per_token = (1 - soft_weight) * per_token + soft_weight * torch.where(keep, soft, 0.0)
+    counts = torch.bincount(row_of[keep], minlength=d + 1)
+    sums = torch.zeros(d + 1, dtype=per_token.dtype, device=per_token.device).index_add(0, row_of, per_token)
+    correct = torch.bincount(row_of[top1_hits(logits, targets)], minlength=d + 1)
+    stats = RowStats()
+    for row, (right, total) in enumerate(zip(correct.tolist(), counts.tolist(), strict=True)):
+        if total:
+            stats.add(row, right, total)
+    present = counts > 0
+    if not bool(present.any()):  # every label fell outside the draft vocabulary: nothing to learn here
+        return SequenceLoss(out.all.sum() * 0.0, stats)
+    decay = row_decay ** torch.arange(d + 1, device=sums.device, dtype=sums.dtype)
+    weights = torch.where(present, decay, 0.0)
+    row_means = sums / counts.clamp(min=1)
+    return SequenceLoss((row_means * weights).sum() / weights.sum(), stats)
 
 
 def _duration(seconds: float) -> str:

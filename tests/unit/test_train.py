@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_dart.drafter import load_drafter
-from sglang_dart.train.blocks import block_attention_mask, block_logits
+from sglang_dart.train.blocks import block_attention, block_attention_mask, block_logits
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter, with_grown_vocab
 from sglang_dart.train.estimate import _leading_hits, estimate_acceptance, split_holdout
 from sglang_dart.train.features import SequenceFeatures, sequence_features
@@ -21,6 +21,7 @@ from sglang_dart.train.trainer import (
     sample_anchors,
     sequence_loss,
     soft_cross_entropy,
+    top1_hits,
     train,
 )
 from sglang_dart.train.vocab import grown_vocab, most_frequent_vocab
@@ -76,6 +77,91 @@ def test_training_forward_equals_serving_forward(seed):
             serving = model(taps[: p + 1], next_tokens[: p + 1], start_pos=0).logits
             torch.testing.assert_close(out.real[p], serving[0], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(out.masks[a], serving[1:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("n", "anchors", "real_rows", "heads", "kv_heads"),
+    [
+        (12, [0, 4, 5, 11], None, 4, 2),
+        (12, [3, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11], 6, 2),
+        (9, [8], [], 3, 3),
+        (30, list(range(10, 30, 2)), list(range(9, 30)), 9, 3),
+    ],
+)
+def test_block_attention_by_parts_equals_the_dense_masked_attention(n, anchors, real_rows, heads, kv_heads):
+    """The training attention computed by parts gives what scaled_dot_product_attention gives over the
+    dense block mask, for every wanted real row and every slot (GQA included)."""
+    d, hd = 3, 8
+    gen = torch.Generator().manual_seed(n + len(anchors))
+    anchors_t = torch.tensor(anchors)
+    rows = n + len(anchors) * d
+    q = torch.randn(rows, heads, hd, generator=gen)
+    k = torch.randn(rows, kv_heads, hd, generator=gen)
+    v = torch.randn(rows, kv_heads, hd, generator=gen)
+    wanted = torch.arange(n) if real_rows is None else torch.tensor(real_rows, dtype=torch.int64)
+    queries = torch.cat([wanted, torch.arange(n, rows)])
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q[queries].transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=block_attention_mask(n, anchors_t, d)[queries],
+        scale=0.3,
+        enable_gqa=True,
+    )
+    dense = dense.transpose(0, 1).reshape(queries.shape[0], heads * hd)
+    parts = block_attention(q[queries], k, v, wanted, anchors_t, d, 0.3)
+    torch.testing.assert_close(parts, dense, rtol=1e-5, atol=1e-5)
+
+
+def _per_row_loss(out, feats, vocab, anchors, row_decay, first):
+    """The loss as the trainer first wrote it, one cross-entropy per draft row, for comparison."""
+    d = out.masks.shape[1]
+    num_real = feats.input_ids.shape[0] - 1
+    labels = vocab.to_draft(feats.labels)
+    label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1)
+    clamped = label_index.clamp(max=labels.shape[0] - 1)
+    mask_labels = torch.where(label_index < labels.shape[0], labels[clamped], -100)
+    rows = [(out.real, labels[1 + first : num_real + 1])] + [
+        (out.masks[:, j], mask_labels[:, j]) for j in range(d)
+    ]
+    losses, weights, hits = [], [], []
+    for row, (logits, target) in enumerate(rows):
+        keep = target >= 0
+        if not bool(keep.any()):
+            hits.append(None)
+            continue
+        losses.append(torch.nn.functional.cross_entropy(logits[keep], target[keep]) * row_decay**row)
+        weights.append(row_decay**row)
+        hits.append((int((logits[keep].argmax(-1) == target[keep]).sum()), int(keep.sum())))
+    return torch.stack(losses).sum() / sum(weights), hits
+
+
+@pytest.mark.parametrize(("seed", "anchors"), [(0, [5, 9, 17, 21, 22]), (1, [5, 9, 17]), (2, [21, 22])])
+def test_the_one_shot_loss_equals_a_cross_entropy_per_row(seed, anchors):
+    """The loss over all logits rows at once gives the per-row formulation's loss and top-1 counts,
+    with labels outside the draft vocabulary and anchors near the end (rows without labels)."""
+    model, _, vocab = _drafter(vocab_size=30, seed=seed)  # a small draft vocabulary: some labels fall out
+    feats = _with_answer_start(_copy_task(count=1, length=24, seed=seed)[0], 6)
+    anchors = torch.tensor(anchors)  # [21, 22]: the last rows have no label at all
+    with torch.no_grad():
+        got = sequence_loss(model, feats, vocab, anchors, 0.8)
+        taps = feats.taps[:23].to(model.fc.weight.dtype)
+        out = block_logits(model, taps, feats.input_ids[1:], anchors, torch.arange(5, 23))
+        want, hits = _per_row_loss(out, feats, vocab, anchors, 0.8, first=5)
+    torch.testing.assert_close(got.loss, want)
+    for row, counted in enumerate(hits):
+        if counted is not None:
+            assert (got.stats.correct[row], got.stats.total[row]) == counted
+
+
+def test_top1_hits_is_argmax_agreement_where_there_are_no_ties():
+    logits = torch.randn(40, 7, 33, generator=torch.Generator().manual_seed(5))
+    labels = torch.randint(0, 33, (40, 7), generator=torch.Generator().manual_seed(6))
+    labels[::3] = logits.argmax(-1)[::3]  # some hits for sure
+    labels[1::5, 2] = -100
+    want = (logits.argmax(-1) == labels) & (labels >= 0)
+    assert torch.equal(top1_hits(logits, labels), want)
+    assert want.any()
 
 
 def test_wanted_real_rows_give_the_same_logits_as_all_rows():
