@@ -97,7 +97,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
-    p.add_argument("--anchors", type=int, default=64, help="anchor blocks per sequence")
+    p.add_argument(
+        "--anchors", type=int, default=None, help="anchor blocks per sequence (default: dart 32, dflash 64)"
+    )
     p.add_argument("--sequences-per-step", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--row-decay", type=float, default=0.8, help="loss weight gamma^row")
@@ -181,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--soft-weight is a share of the loss, between 0 and 1, not {args.soft_weight}")
     if args.feature_noise < 0:
         raise SystemExit(f"--feature-noise is a standard deviation, not {args.feature_noise}")
+    if args.anchors is not None and args.anchors < 1:
+        raise SystemExit(
+            f"--anchors is a count of anchor blocks per sequence, at least 1, not {args.anchors}"
+        )
     if args.feature_noise and args.format != "dart":
         raise SystemExit(f"--feature-noise applies to DART's training only, not to --format {args.format}")
     if args.soft_weight and args.format != "dart":

@@ -11,11 +11,17 @@ from typing import Any
 from sglang_dart.train.features import SequenceFeatures
 from sglang_dart.train.trainer import TrainSettings
 
+# Anchor blocks per sequence when --anchors is not given. DART: 32, which beat 64 in served tokens per step
+# by about 2% over two seeds at an equal 20-minute budget (benchmarks/results/acceptance.md, run 20); DFLASH
+# keeps the 64 it was measured with. EAGLE3 trains on whole windows and has none.
+DEFAULT_ANCHORS = {"dart": TrainSettings.anchors_per_sequence, "dflash": 64}
+
 
 def settings_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSettings:
     """The common options as `TrainSettings`; a format overrides what it sets its own way."""
+    anchors = args.anchors if args.anchors is not None else DEFAULT_ANCHORS.get(args.format, 64)
     values: dict[str, Any] = {
-        "anchors_per_sequence": args.anchors,
+        "anchors_per_sequence": anchors,
         "sequences_per_step": args.sequences_per_step,
         "learning_rate": args.lr,
         "max_steps": args.max_steps,

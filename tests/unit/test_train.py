@@ -510,6 +510,7 @@ def test_feature_noise_scales_with_each_tap_and_training_still_learns():
         (["--soft-weight", "1.5"], "between 0 and 1"),
         (["--format", "eagle3", "--soft-weight", "0.5"], "DART's loss only"),
         (["--feature-noise", "-0.1"], "standard deviation"),
+        (["--anchors", "0"], "at least 1"),
         (["--format", "dflash", "--feature-noise", "0.1"], "DART's training only"),
         (["--init", "CHECKPOINT", "--draft-vocab-size", "4096"], "grow, not shrink"),
         (["--device", "banana"], "--device 'banana'"),
@@ -532,6 +533,23 @@ def test_a_bad_training_option_is_refused_before_any_work(tmp_path, options, mes
     options = [str(tmp_path) if option == "CHECKPOINT" else option for option in options]
     with pytest.raises(SystemExit, match=message):
         main([*paths, *options])
+
+
+@pytest.mark.parametrize(
+    ("options", "anchors"),
+    [
+        ([], 32),
+        (["--format", "dflash"], 64),
+        (["--anchors", "48"], 48),
+        (["--format", "dflash", "--anchors", "8"], 8),
+    ],
+)
+def test_anchor_blocks_default_by_format(options, anchors):
+    from sglang_dart.train import run_summary
+    from sglang_dart.train.__main__ import make_parser
+
+    args = make_parser().parse_args(["--target", "T", "--data", "D", "--out", "O", *options])
+    assert run_summary.settings_from_args(args).anchors_per_sequence == anchors
 
 
 def test_bf16_autocast_is_on_by_default_only_where_the_cpu_multiplies_bf16(monkeypatch):
