@@ -1,5 +1,6 @@
 """The drafter's training forward: every real position of a sequence plus d mask slots for each of a set
-of anchor positions, in one pass with a block mask.
+of anchor positions, in one pass. `block_attention_mask` states which row sees which; `block_attention`
+computes that attention by parts, without the dense mask.
 
 Serving (DartDrafter.forward) runs one anchor at a time: the real positions up to the anchor p, then d mask
 slots at positions p+1..p+d that see real positions <= p and the earlier slots of their own block. Training
