@@ -126,16 +126,20 @@ def sequence_loss(
         draft_ids = vocab.t2d[feats.soft_ids[positions].long()]
         soft = soft_cross_entropy(logits, draft_ids, feats.soft_probs[positions])
         per_token = (1 - soft_weight) * per_token + soft_weight * torch.where(keep, soft, 0.0)
-    counts = torch.bincount(row_of[keep], minlength=d + 1)
-    sums = torch.zeros(d + 1, dtype=per_token.dtype, device=per_token.device).index_add(0, row_of, per_token)
-    correct = torch.bincount(row_of[top1_hits(logits, targets)], minlength=d + 1)
+    # Per draft row sums by index_add (a boolean index would cost a host sync on a GPU), then one read.
+    zeros = torch.zeros(d + 1, dtype=per_token.dtype, device=per_token.device)
+    sums = zeros.index_add(0, row_of, per_token)
+    with torch.no_grad():
+        counts = zeros.index_add(0, row_of, keep.to(zeros.dtype))
+        correct = zeros.index_add(0, row_of, top1_hits(logits, targets).to(zeros.dtype))
+        totals, rights = torch.stack([counts, correct]).tolist()
     stats = RowStats()
-    for row, (right, total) in enumerate(zip(correct.tolist(), counts.tolist(), strict=True)):
+    for row, (right, total) in enumerate(zip(rights, totals, strict=True)):
         if total:
-            stats.add(row, right, total)
-    present = counts > 0
-    if not bool(present.any()):  # every label fell outside the draft vocabulary: nothing to learn here
+            stats.add(row, int(right), int(total))
+    if not any(totals):  # every label fell outside the draft vocabulary: nothing to learn here
         return SequenceLoss(out.all.sum() * 0.0, stats)
+    present = counts > 0
     decay = row_decay ** torch.arange(d + 1, device=sums.device, dtype=sums.dtype)
     weights = torch.where(present, decay, 0.0)
     row_means = sums / counts.clamp(min=1)
