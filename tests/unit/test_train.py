@@ -5,6 +5,7 @@ loads through the serving loader with the same logits."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_dr
 from sglang_dart.train.estimate import _leading_hits, estimate_acceptance, split_holdout
 from sglang_dart.train.features import SequenceFeatures, sequence_features
 from sglang_dart.train.trainer import (
+    RowStats,
     TrainSettings,
+    _step_backward,
     noised_taps,
     progress_line,
     sample_anchors,
@@ -230,6 +233,42 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(taps, nxt, 0).logits, model(taps, nxt, 0).logits)
     assert torch.equal(loaded.draft_to_target(torch.arange(vocab.size)), vocab.target_ids)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_backward_per_step_gives_the_per_sequence_gradients(bf16):
+    """A step's sequences are differentiated together (one autocast region, one backward of the mean):
+    the gradients, loss and stats equal those of one backward per sequence, each of loss / n."""
+    model, _, vocab = _drafter()
+    batch = _copy_task(count=3, length=20, seed=5)
+    settings = TrainSettings(anchors_per_sequence=5, sequences_per_step=3, bf16_autocast=bf16)
+    anchor_sets = [sample_anchors(19, 5, random.Random(i)) for i in range(3)]
+
+    def sequence_step(feats, rng):
+        result = sequence_loss(model, feats, vocab, anchor_sets[[id(f) for f in batch].index(id(feats))], 0.8)
+        return result.loss, result.stats
+
+    expected_loss, expected_stats = 0.0, RowStats()
+    for feats in batch:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, stats = sequence_step(feats, None)
+        (loss / 3).backward()
+        expected_loss += loss.item() / 3
+        for row, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
+            expected_stats.add(row, int(c), int(t))
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    stats = RowStats()
+    loss = _step_backward(batch, settings, torch.device("cpu"), sequence_step, random.Random(0), stats)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys() and len(got) > 5
+    tolerance = 2e-2 if bf16 else 1e-5  # bf16: the casts' gradients are summed before, not after, the cast
+    for name, grad in got.items():
+        scale = expected[name].abs().max().item() + 1e-12
+        assert (grad - expected[name]).abs().max().item() <= tolerance * scale, name
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert stats == expected_stats
 
 
 def test_draft_vocab_keeps_most_frequent_labels():
