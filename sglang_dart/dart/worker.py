@@ -48,8 +48,10 @@ from sglang.srt.speculative.spec_utils import (
     move_accept_tokens_to_target_kvcache,
     record_stream_for_v2_verify,
 )
+from sglang.srt.utils.async_probe import sanitize_nan_logits
 
 from sglang_dart.attention.tree_attention import upload
+from sglang_dart.cpu.greedy_walk import greedy_walk, walks_on_host
 from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import StepClock
 from sglang_dart.dart.device_graphs import DeviceGraphs
@@ -365,6 +367,18 @@ class DartWorker(NGRAMWorker):
             if paths is not None:
                 apply_custom_processors(sampling_info, unpinned, paths)
         pin_logits_to_samples(sampling_info, logits, size, paths, verify_input.positions, self._rl_on_policy)
+        if walks_on_host(self.device, sampling_info):
+            sanitize_nan_logits(logits, "verify: target model logits")
+            bs = len(batch.seq_lens)
+            predict, accept_lens, accept_index = greedy_walk(
+                logits,
+                verify_input.draft_token.reshape(bs, verify_input.draft_token_num),
+                verify_input.retrieve_index,
+                verify_input.retrieve_next_token,
+                verify_input.retrieve_next_sibling,
+                verify_input.max_tree_depth,
+            )
+            return predict, accept_lens, accept_index, unpinned
         scheduler_info, batch.sampling_info = batch.sampling_info, sampling_info
         try:
             predict, accept_lens, accept_index = eagle_sample(verify_input, batch, logits_output, None)

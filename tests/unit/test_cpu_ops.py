@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from sglang_dart.cpu.greedy_walk import greedy_walk, walks_on_host
 from sglang_dart.cpu.ops import (
     PROVIDED_OPS,
     assign_extend_cache_locs_cpu,
@@ -380,6 +382,40 @@ def test_verify_tree_greedy_matches_reference(bs, d, shape, seed, max_path, stee
                     target_predict[b, i] = candidates[b, rng.choice(kids)]
     got = _run_greedy(all_parents, candidates, target_predict, max_path)
     assert got == _reference_greedy(all_parents, candidates, target_predict, max_path)
+
+
+@pytest.mark.parametrize("max_path", [1, 2, 4, 17])
+@pytest.mark.parametrize(("bs", "d", "shape", "seed"), TREE_CASES)
+def test_the_host_walk_equals_argmax_then_the_greedy_op(bs, d, shape, seed, max_path):
+    """DART's CPU verify (`greedy_walk`) takes the argmax only of the rows it visits: its paths, bonus
+    tokens and predictions equal a full `torch.argmax` followed by the greedy op. Logits drawn from
+    three values, so rows tie at their maximum and the first index must win, as in torch.argmax."""
+    rng = random.Random(f"walk-{bs}-{d}-{shape}-{seed}-{max_path}")
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    all_parents = [_random_parents(rng, d, shape) for _ in range(bs)]
+    vocab = 5
+    candidates = torch.randint(0, vocab, (bs, d), generator=g, dtype=torch.int64)
+    logits = torch.randint(0, 3, (bs * d, vocab), generator=g).float()
+    for b, parents in enumerate(all_parents):  # mostly steer the target to some child: long paths
+        for i in range(d):
+            kids = _children(parents, i)
+            if kids and rng.random() < 0.8:
+                logits[b * d + i, int(candidates[b, rng.choice(kids)])] = 3.0
+    expected = _run_greedy(all_parents, candidates, torch.argmax(logits, -1).view(bs, d), max_path)
+    _, retrive_index, next_token, next_sibling = _reconstruct(all_parents, [5] * bs)
+    predict, accept_lens, accept_index = greedy_walk(
+        logits, candidates, retrive_index, next_token, next_sibling, max_path
+    )
+    assert predict.dtype == accept_lens.dtype == accept_index.dtype == torch.int32
+    assert (predict.tolist(), accept_index.tolist(), (accept_lens - 1).tolist()) == expected
+
+
+def test_the_host_walk_runs_on_the_cpu_where_eagle_sample_would_add_nothing():
+    plain = SimpleNamespace(acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=None)
+    assert walks_on_host("cpu", plain)
+    assert not walks_on_host("cuda", plain)  # there the argmax is cheap and the walk would sync
+    for field in ("acc_additive_penalties", "acc_scaling_penalties", "logit_bias"):
+        assert not walks_on_host("cpu", SimpleNamespace(**{**vars(plain), field: torch.zeros(1, 4)}))
 
 
 def test_verify_tree_greedy_accepts_long_paths():

@@ -1,0 +1,89 @@
+"""Greedy tree acceptance on the CPU, taking the target's argmax only at the nodes the walk visits.
+
+SGLang's `eagle_sample` takes `torch.argmax` over every verified node's logits before it walks the tree.
+On a CPU that reduction does not vectorise: 16 rows of SmolLM2's 49,152 logits cost about 0.9 ms of a
+50 ms batch-1 DART step, 128 rows several ms at batch 16, while the walk reads the argmax of only the
+accepted path and the node after it (about 2-3 rows a request). Here the walk goes depth by depth: one
+`torch.argmax` over the rows the still-walking requests stand on, then each request steps to the child
+whose draft token is that argmax. Each row's argmax is torch's own, so the accepted paths, the
+predicted tokens and the bonus tokens are exactly `eagle_sample`'s (greedy branch, which a CPU takes for
+sampled requests too, their nodes pinned to the drawn tokens beforehand).
+
+It reads host lists at every depth, which a CPU pays nothing for and a GPU would pay a sync for: the
+worker uses it only on the CPU (hence its place among the CPU engine's stand-ins, whose reads DART's
+host-read budget does not count, as it does not count SGLang's own CPU tree walk), and only where
+`eagle_sample` would change nothing else (no relaxed penalties or logit bias to add, no simulated
+acceptance)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.speculative.spec_utils import SIMULATE_ACC_LEN
+
+
+def walks_on_host(device: str | torch.device, sampling_info: Any) -> bool:
+    """Whether `greedy_walk` replaces `eagle_sample` for a verify: on the CPU (where eagle_sample walks
+    greedily anyway), when eagle_sample would add nothing to the logits first (relaxed penalties, logit
+    bias) and simulates nothing."""
+    return (
+        torch.device(device).type == "cpu"
+        and sampling_info.acc_additive_penalties is None
+        and sampling_info.acc_scaling_penalties is None
+        and sampling_info.logit_bias is None
+        and SIMULATE_ACC_LEN <= 0
+    )
+
+
+def greedy_walk(
+    logits: torch.Tensor,
+    candidates: torch.Tensor,
+    retrieve_index: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(predict [bs * size] int32, accept_lens [bs] int32 counting the bonus token, accept_index
+    [bs, max_depth] int32, -1 past each path) as `eagle_sample` returns them. logits: [bs * size, V], row
+    `retrieve_index[b, node]` is node `node` of request b; candidates [bs, size]: each node's draft token;
+    retrieve_next_token / _sibling [bs, size]: first child and next sibling (-1: none)."""
+    bs, size = candidates.shape
+    cand = candidates.tolist()
+    index = retrieve_index.tolist()
+    first_child = retrieve_next_token.tolist()
+    next_sibling = retrieve_next_sibling.tolist()
+    paths = [[-1] * max_depth for _ in range(bs)]
+    node = [0] * bs
+    accepted = [0] * bs
+    for b in range(bs):
+        paths[b][0] = index[b][0]
+    rows_seen: list[int] = []
+    tokens_seen: list[int] = []
+    walking = list(range(bs))
+    while walking:
+        rows = [paths[b][accepted[b]] for b in walking]
+        tokens = torch.argmax(logits[torch.tensor(rows, device=logits.device)], dim=-1).tolist()
+        rows_seen += rows
+        tokens_seen += tokens
+        still = []
+        for b, token in zip(walking, tokens, strict=True):
+            if accepted[b] + 1 >= max_depth:  # the depth budget is spent: `token` is the bonus
+                continue
+            child = first_child[b][node[b]]
+            while child != -1 and cand[b][child] != token:
+                child = next_sibling[b][child]
+            if child == -1:
+                continue
+            accepted[b] += 1
+            node[b] = child
+            paths[b][accepted[b]] = index[b][child]
+            still.append(b)
+        walking = still
+    device = logits.device
+    predict = torch.zeros(bs * size, dtype=torch.int32, device=device)
+    seen = torch.tensor(rows_seen, device=device)
+    predict[seen] = torch.tensor(tokens_seen, dtype=torch.int32, device=device)
+    accept_index = torch.tensor(paths, dtype=torch.int32, device=device)
+    accept_lens = torch.tensor(accepted, dtype=torch.int32, device=device) + 1
+    return predict, accept_lens, accept_index
