@@ -82,8 +82,8 @@ def greedy_walk(
         walking = still
     device = logits.device
     predict = torch.zeros(bs * size, dtype=torch.int32, device=device)
-    seen = torch.tensor(rows_seen, device=device)
+    seen = torch.tensor(rows_seen, dtype=torch.int64, device=device)
     predict[seen] = torch.tensor(tokens_seen, dtype=torch.int32, device=device)
-    accept_index = torch.tensor(paths, dtype=torch.int32, device=device)
+    accept_index = torch.tensor(paths, dtype=torch.int32, device=device).view(bs, max_depth)
     accept_lens = torch.tensor(accepted, dtype=torch.int32, device=device) + 1
     return predict, accept_lens, accept_index

@@ -410,6 +410,12 @@ def test_the_host_walk_equals_argmax_then_the_greedy_op(bs, d, shape, seed, max_
     assert (predict.tolist(), accept_index.tolist(), (accept_lens - 1).tolist()) == expected
 
 
+def test_the_host_walk_of_no_requests_is_empty():
+    none = torch.zeros((0, 4), dtype=torch.int64)
+    predict, accept_lens, accept_index = greedy_walk(torch.zeros(0, 10), none, none, none, none, 3)
+    assert predict.shape == accept_lens.shape == (0,) and accept_index.shape == (0, 3)
+
+
 def test_the_host_walk_runs_on_the_cpu_where_eagle_sample_would_add_nothing():
     plain = SimpleNamespace(acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=None)
     assert walks_on_host("cpu", plain)
