@@ -5,6 +5,7 @@ loads through the serving loader with the same logits."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -347,6 +348,13 @@ def test_degenerate_data_fails_clearly_or_contributes_nothing():
     feats = SequenceFeatures(torch.tensor([1, 2, 3, 4]), torch.zeros(4, 96), torch.full((4,), outside))
     result = sequence_loss(model, feats, vocab, torch.tensor([0, 1]), 0.8)
     assert float(result.loss.detach()) == 0.0 and result.stats.total == []
+    # In a step beside learnable sequences, under bf16 autocast (its zero is then a bf16 one), it adds
+    # nothing and breaks nothing.
+    learnable = _copy_task(count=2, length=12, seed=1)
+    settings = TrainSettings(anchors_per_sequence=4, sequences_per_step=3, max_steps=2, warmup_steps=1,
+                             bf16_autocast=True, log_every=0, progress_bar=False)  # fmt: skip
+    losses = train(model, [*learnable, feats], vocab, settings, log=lambda _: None)
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
 
 
 # --- answers only ---------------------------------------------------------------------------------------
