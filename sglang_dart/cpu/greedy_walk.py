@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from sglang.srt.speculative.spec_utils import SIMULATE_ACC_LEN
 
+from sglang_dart.cpu.ops import walk_trees
+
 
 def walks_on_host(device: str | torch.device, sampling_info: Any) -> bool:
     """Whether `greedy_walk` replaces `eagle_sample` for a verify: on the CPU (where eagle_sample walks
@@ -47,43 +49,21 @@ def greedy_walk(
     """(predict [bs * size] int32, accept_lens [bs] int32 counting the bonus token, accept_index
     [bs, max_depth] int32, -1 past each path) as `eagle_sample` returns them. logits: [bs * size, V], row
     `retrieve_index[b, node]` is node `node` of request b; candidates [bs, size]: each node's draft token;
-    retrieve_next_token / _sibling [bs, size]: first child and next sibling (-1: none)."""
+    retrieve_next_token / _sibling [bs, size]: first child and next sibling (-1: none). The walk is the
+    greedy op's own (`walk_trees`), with the argmax taken of the rows it reads only."""
     bs, size = candidates.shape
-    cand = candidates.tolist()
-    index = retrieve_index.tolist()
-    first_child = retrieve_next_token.tolist()
-    next_sibling = retrieve_next_sibling.tolist()
-    paths = [[-1] * max_depth for _ in range(bs)]
-    node = [0] * bs
-    accepted = [0] * bs
-    for b in range(bs):
-        paths[b][0] = index[b][0]
-    rows_seen: list[int] = []
-    tokens_seen: list[int] = []
-    walking = list(range(bs))
-    while walking:
-        rows = [paths[b][accepted[b]] for b in walking]
-        tokens = torch.argmax(logits[torch.tensor(rows, device=logits.device)], dim=-1).tolist()
-        rows_seen += rows
-        tokens_seen += tokens
-        still = []
-        for b, token in zip(walking, tokens, strict=True):
-            if accepted[b] + 1 >= max_depth:  # the depth budget is spent: `token` is the bonus
-                continue
-            child = first_child[b][node[b]]
-            while child != -1 and cand[b][child] != token:
-                child = next_sibling[b][child]
-            if child == -1:
-                continue
-            accepted[b] += 1
-            node[b] = child
-            paths[b][accepted[b]] = index[b][child]
-            still.append(b)
-        walking = still
     device = logits.device
+
+    def argmax_of(rows: list[int]) -> list[int]:
+        return torch.argmax(logits[torch.tensor(rows, device=device)], dim=-1).tolist()
+
+    paths, accepted, rows, tokens = walk_trees(
+        candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, bs, max_depth, argmax_of
+    )
     predict = torch.zeros(bs * size, dtype=torch.int32, device=device)
-    seen = torch.tensor(rows_seen, dtype=torch.int64, device=device)
-    predict[seen] = torch.tensor(tokens_seen, dtype=torch.int32, device=device)
+    predict[torch.tensor(rows, dtype=torch.int64, device=device)] = torch.tensor(
+        tokens, dtype=torch.int32, device=device
+    )
     accept_index = torch.tensor(paths, dtype=torch.int32, device=device).view(bs, max_depth)
     accept_lens = torch.tensor(accepted, dtype=torch.int32, device=device) + 1
     return predict, accept_lens, accept_index

@@ -121,6 +121,56 @@ def reconstruct_indices_from_tree_mask(
     retrive_next_sibling.view(-1)[:n] = sibling.reshape(-1).to(retrive_next_sibling.dtype)
 
 
+def walk_trees(
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    bs: int,
+    max_path: int,
+    choose: Callable[[list[int]], list[int]],
+) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+    """Greedy tree acceptance for the first `bs` requests, depth by depth: from the root, descend to the
+    child whose draft token equals the target's choice at the current node; stop when no child matches or
+    the depth budget (max_path - 1 drafts) is used up. `choose(rows)` gives the target's token at each of
+    the given logits rows (retrive_index values), all walking requests' rows of a depth in one call.
+    Returns host lists: each request's path of flat indices (-1 padded to max_path), its accepted draft
+    count, and every row whose choice was read with that choice (the path's and the bonus node's). The walk
+    runs on host lists: a tensor store per node costs more than the whole walk."""
+    cand = candidates.tolist()
+    index = retrive_index.tolist()
+    first_child = retrive_next_token.tolist()
+    next_sibling = retrive_next_sibling.tolist()
+    paths = [[-1] * max_path for _ in range(bs)]
+    node = [0] * bs
+    accepted = [0] * bs
+    for b in range(bs):
+        paths[b][0] = index[b][0]
+    rows_seen: list[int] = []
+    tokens_seen: list[int] = []
+    walking = list(range(bs))
+    while walking:
+        rows = [paths[b][accepted[b]] for b in walking]
+        tokens = choose(rows)
+        rows_seen += rows
+        tokens_seen += tokens
+        still = []
+        for b, token in zip(walking, tokens, strict=True):
+            if accepted[b] + 1 >= max_path:  # the depth budget is spent: `token` is the bonus
+                continue
+            child = first_child[b][node[b]]
+            while child != -1 and cand[b][child] != token:
+                child = next_sibling[b][child]
+            if child == -1:
+                continue
+            accepted[b] += 1
+            node[b] = child
+            paths[b][accepted[b]] = index[b][child]
+            still.append(b)
+        walking = still
+    return paths, accepted, rows_seen, tokens_seen
+
+
 def verify_tree_greedy_cpu(
     predicts: torch.Tensor,
     accept_index: torch.Tensor,
@@ -131,43 +181,24 @@ def verify_tree_greedy_cpu(
     retrive_next_sibling: torch.Tensor,
     target_predict: torch.Tensor,
 ) -> None:
-    """Greedy tree acceptance: from the root, repeatedly descend to the child whose draft token equals the
-    target's argmax at the current node; stop when no child matches or the depth budget
-    (accept_index.shape[1] - 1) is used up. Writes, per request, the flat indices of the accepted path into
-    accept_index, the number of accepted drafts into accept_token_num, and into predicts (flat) the target
-    token at every node of the path, the bonus token at its end included."""
+    """Greedy tree acceptance (`walk_trees`) on the target's argmax at every node, target_predict. Writes,
+    per request, the flat indices of the accepted path into accept_index, the number of accepted drafts
+    into accept_token_num, and into predicts (flat) the target token at every node of the path, the bonus
+    token at its end included."""
     bs, max_path = accept_index.shape
-    cand = candidates.tolist()
-    index = retrive_index.tolist()
-    first_child = retrive_next_token.tolist()
-    next_sibling = retrive_next_sibling.tolist()
     target = target_predict.reshape(-1).tolist()
-    # The walk runs on host lists and writes each output once: a tensor store per node costs more than
-    # the whole walk.
-    paths = accept_index.tolist()
-    counts = []
-    predicted_at = []
-    for b in range(bs):
-        last = index[b][0]
-        paths[b][0] = last
-        accepted = 0
-        node = 0
-        for _ in range(1, max_path):
-            node = first_child[b][node]
-            while node != -1 and cand[b][node] != target[last]:
-                node = next_sibling[b][node]
-            if node == -1:
-                break
-            predicted_at.append(last)
-            accepted += 1
-            last = index[b][node]
-            paths[b][accepted] = last
-        counts.append(accepted)
-        predicted_at.append(last)
-    accept_index.copy_(torch.tensor(paths, dtype=accept_index.dtype))
+    paths, counts, rows, tokens = walk_trees(
+        candidates,
+        retrive_index,
+        retrive_next_token,
+        retrive_next_sibling,
+        bs,
+        max_path,
+        lambda rows: [target[row] for row in rows],
+    )
+    accept_index.copy_(torch.tensor(paths, dtype=accept_index.dtype).view(bs, max_path))
     accept_token_num[:bs] = torch.tensor(counts, dtype=accept_token_num.dtype)
-    at = torch.tensor(predicted_at, dtype=torch.int64)
-    predicts.view(-1)[at] = target_predict.reshape(-1).to(torch.int64)[at].to(predicts.dtype)
+    predicts.view(-1)[torch.tensor(rows, dtype=torch.int64)] = torch.tensor(tokens, dtype=predicts.dtype)
 
 
 def fill_accept_out_cache_loc_cpu(
