@@ -4,10 +4,11 @@ SGLang's `eagle_sample` takes `torch.argmax` over every verified node's logits b
 On a CPU that reduction does not vectorise: 16 rows of SmolLM2's 49,152 logits cost about 0.9 ms of a
 50 ms batch-1 DART step, 128 rows several ms at batch 16, while the walk reads the argmax of only the
 accepted path and the node after it (about 2-3 rows a request). Here the walk goes depth by depth: one
-`torch.argmax` over the rows the still-walking requests stand on, then each request steps to the child
-whose draft token is that argmax. Each row's argmax is torch's own, so the accepted paths, the
-predicted tokens and the bonus tokens are exactly `eagle_sample`'s (greedy branch, which a CPU takes for
-sampled requests too, their nodes pinned to the drawn tokens beforehand).
+argmax over the rows the still-walking requests stand on (`first_argmax`, the same index as
+`torch.argmax`, faster), then each request steps to the child whose draft token is that argmax. Each
+row's argmax is torch's own, so the accepted paths, the predicted tokens and the bonus tokens are
+exactly `eagle_sample`'s (greedy branch, which a CPU takes for sampled requests too, their nodes pinned
+to the drawn tokens beforehand).
 
 It reads host lists at every depth, which a CPU pays nothing for and a GPU would pay a sync for: the
 worker uses it only on the CPU (hence its place among the CPU engine's stand-ins, whose reads DART's
@@ -23,6 +24,14 @@ import torch
 from sglang.srt.speculative.spec_utils import SIMULATE_ACC_LEN
 
 from sglang_dart.cpu.ops import walk_trees
+
+
+def first_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(rows, dim=-1), computed as `torch.max(rows, dim=-1).indices`: the same index (torch
+    returns the first maximal value's for both, NaN counting as the maximum), and on a CPU 4-5x faster,
+    because argmax's reduction does not vectorise there (16 bf16 rows of 49,152 logits: 1.24 against
+    0.27 ms; 64 rows: 5.0 against 1.1 ms, 2 threads on the AMX Xeon)."""
+    return torch.max(rows, dim=-1).indices
 
 
 def walks_on_host(device: str | torch.device, sampling_info: Any) -> bool:
@@ -55,7 +64,7 @@ def greedy_walk(
     device = logits.device
 
     def argmax_of(rows: list[int]) -> list[int]:
-        return torch.argmax(logits[torch.tensor(rows, device=device)], dim=-1).tolist()
+        return first_argmax(logits[torch.tensor(rows, device=device)]).tolist()
 
     paths, accepted, rows, tokens = walk_trees(
         candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, bs, max_depth, argmax_of

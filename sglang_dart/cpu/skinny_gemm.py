@@ -9,9 +9,11 @@ Four forms compute the same product:
 - `packed` (bf16 weights): torch's own oneDNN product with the weight reordered once, at its first use,
   into oneDNN's blocked layout and kept beside it (`PackedWeights`). `F.linear` hands oneDNN the weight
   in its plain layout, and its kernel copies it into the blocked one on every call; up to 16 rows both
-  give the same bits (DART 7-11% faster on the AMX Xeon, benchmarks/results/throughput.md, run 65).
-  The copies cost as much memory as the weights they pack, within `SGLANG_DART_PACKED_WEIGHTS_GB`
-  (default 4; 0 turns the form off); past it the rest stay unpacked.
+  give the same bits (DART 7-11% faster on the AMX Xeon, benchmarks/results/throughput.md, run 65);
+  beyond, the rounding may differ in the last bit, as between torch's own kernels for other row counts.
+  It is offered up to `PACKED_MAX_ROWS` rows (the others up to `MAX_ROWS`). The copies cost as much
+  memory as the weights they pack, within `SGLANG_DART_PACKED_WEIGHTS_GB` (default 4; 0 turns the form
+  off); past it the rest stay unpacked.
 - `rust`: `sglang_dart._core.skinny_matmul` (float32, up to 64 rows), which reads each weight row once
   for all input rows (AVX2/FMA where the CPU has them), on the calling thread plus a small team of
   helper threads (`rust/dart-core/src/team.rs`). In the server on the EPYC it beat the BLAS at 1-31 rows
@@ -65,8 +67,13 @@ logger = logging.getLogger(__name__)
 ENV = "SGLANG_DART_CPU_SKINNY_GEMM"
 FORMS = ("torch", "transposed", "rust", "packed")
 MODES = ("auto", *FORMS)
-# From ~128 rows on, the BLAS's own blocking wins (measured crossover on the EPYC).
+# From ~128 rows on, the BLAS's own blocking wins over the Rust and transposed forms (measured crossover
+# on the EPYC).
 MAX_ROWS = 96
+# The packed form is torch's own product without the per-call reorder, which stays worth skipping further:
+# on the AMX Xeon all of SmolLM2's linears took 26.6 against 31.4 ms at 128 rows (DART's verify at batch
+# 16), 35.5 against 48.0 at 256, level at 512 (cold weights, 2 threads). Past this the BLAS decides.
+PACKED_MAX_ROWS = 511
 # Timed calls per form before a bucket's choice is made; the median resists the VM's stalls.
 SAMPLES_PER_FORM = 8
 # Another form must be clearly faster to replace x @ W.T, which is what every other engine computes.
@@ -272,6 +279,8 @@ def _forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, .
         # The Rust product has no backward: training (the drafter's) stays with torch.
         and not training
     )
+    if rows > MAX_ROWS:
+        return ("torch", "packed") if packed_fits else ("torch",)
     one_row = ("torch", *(("rust",) if rust_fits else ()), *(("packed",) if packed_fits else ()))
     # (W @ x.T).T is F.linear's own call for one row
     return one_row if rows == 1 else (*one_row[:1], "transposed", *one_row[1:])
@@ -282,7 +291,7 @@ def _bucket(rows: int) -> int:
 
 
 def _bucket_range(bucket: int) -> str:
-    low, high = 1 << (bucket - 1), min((1 << bucket) - 1, MAX_ROWS)
+    low, high = 1 << (bucket - 1), min((1 << bucket) - 1, PACKED_MAX_ROWS)
     return f"{low} row" if low == high == 1 else f"{low}-{high} rows"
 
 
@@ -313,10 +322,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias), in the faster form for this CPU, shape and row count."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     current = mode()
-    if not (1 <= rows <= MAX_ROWS) or x.device.type != "cpu" or current == "torch":
+    if not (1 <= rows <= PACKED_MAX_ROWS) or x.device.type != "cpu" or current == "torch":
+        return F.linear(x, weight, bias)
+    forms = _forms_for(rows, x, weight)
+    if forms == ("torch",):  # nothing else applies (more rows than the few-row forms take)
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    forms = _forms_for(rows, x, weight)
     if current != "auto":
         if current not in forms:
             return F.linear(x, weight, bias)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_dart.cpu.greedy_walk import greedy_walk, walks_on_host
+from sglang_dart.cpu.greedy_walk import first_argmax, greedy_walk, walks_on_host
 from sglang_dart.cpu.ops import (
     PROVIDED_OPS,
     assign_extend_cache_locs_cpu,
@@ -408,6 +408,33 @@ def test_the_host_walk_equals_argmax_then_the_greedy_op(bs, d, shape, seed, max_
     )
     assert predict.dtype == accept_lens.dtype == accept_index.dtype == torch.int32
     assert (predict.tolist(), accept_index.tolist(), (accept_lens - 1).tolist()) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 64, 65, 1000, 49152])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_first_argmax_is_torch_argmax(dtype, width, threads):
+    """The walk's argmax is torch.argmax's index on rows with many ties at the maximum (the first must
+    win, wherever the vector lanes split the row), infinities, NaNs (which count as the maximum) and
+    signed zeros."""
+    g = torch.Generator().manual_seed(width * 7 + threads)
+    rows = [
+        torch.randint(0, 3, (12, width), generator=g).to(dtype),  # ties
+        torch.randn(12, width, generator=g).to(dtype),
+    ]
+    inf = rows[0].clone()
+    inf[torch.rand(inf.shape, generator=g) < 0.05] = float("inf")
+    nan = rows[1].clone()
+    nan[torch.rand(nan.shape, generator=g) < 0.01] = float("nan")
+    nan[3, width // 2] = float("nan")  # at least one
+    zeros = torch.where(torch.rand(12, width, generator=g) < 0.5, 0.0, -0.0).to(dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x in (*rows, inf, nan, zeros, -torch.full((3, width), float("inf"), dtype=dtype)):
+            assert torch.equal(first_argmax(x), torch.argmax(x, dim=-1))
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_the_host_walk_of_no_requests_is_empty():

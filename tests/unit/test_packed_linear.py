@@ -75,6 +75,23 @@ def test_auto_offers_packed_for_bf16_inference_only(monkeypatch):
 
 
 @needs_packing
+def test_past_the_few_row_forms_auto_still_offers_packed_up_to_its_reach(monkeypatch):
+    # DART's verify at batch 16 (trees of 8: 128 rows) and prefill chunks: torch against packed only.
+    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: False)
+    weight, threads = _bf16(64, 32), torch.get_num_threads()
+    for rows in (skinny_gemm.MAX_ROWS + 1, 128, skinny_gemm.PACKED_MAX_ROWS):
+        x = _bf16(rows, 32, seed=rows)
+        torch.testing.assert_close(skinny_gemm.linear(x, weight), F.linear(x, weight))
+        bucket = skinny_gemm._bucket(rows)
+        assert skinny_gemm._choices[(64, 32, torch.bfloat16, bucket, threads)].forms == ("torch", "packed")
+    known = len(skinny_gemm._choices)
+    for x in (_bf16(skinny_gemm.PACKED_MAX_ROWS + 1, 32), torch.randn(128, 32)):  # past it; float32
+        skinny_gemm.linear(x, weight.to(x.dtype))
+    assert len(skinny_gemm._choices) == known  # F.linear directly, nothing timed
+
+
+@needs_packing
 def test_a_zero_budget_turns_the_form_off(monkeypatch):
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
     monkeypatch.setenv(skinny_gemm.PACKED_BUDGET_ENV, "0")
