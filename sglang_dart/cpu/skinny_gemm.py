@@ -88,7 +88,10 @@ class _BucketChoice:
 
 
 _mode: str | None = None
-_choices: dict[tuple[int, int, torch.dtype, int], _BucketChoice] = {}
+# Keyed by (out features, in features, dtype, row bucket, torch threads, forms that apply): a bucket's row
+# counts may straddle a form's reach (the Rust product's 64 rows, the few-row forms' MAX_ROWS), and each
+# set of forms is timed on its own, so that no row count is left to a choice it could not take.
+_choices: dict[tuple[int, int, torch.dtype, int, int, tuple[str, ...]], _BucketChoice] = {}
 
 
 def mode() -> str:
@@ -334,11 +337,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = PRODUCTS[current](flat, weight)
     else:
         # torch's thread count is part of the key: each form's speed depends on it (small_step_threads).
-        key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows), torch.get_num_threads())
+        key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows), torch.get_num_threads(), forms)
         choice = _choices.get(key) or _choices.setdefault(key, _BucketChoice(forms))
-        if choice.chosen is None and forms == choice.forms:
+        if choice.chosen is None:
             out = _timed_product(choice, flat, weight)
-        elif choice.chosen in (None, "torch") or choice.chosen not in forms:
+        elif choice.chosen == "torch":
             return F.linear(x, weight, bias)  # exactly SGLang's computation
         else:
             out = PRODUCTS[choice.chosen](flat, weight)

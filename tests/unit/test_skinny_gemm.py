@@ -31,8 +31,12 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def _key(n: int, k: int, dtype: torch.dtype, bucket: int) -> tuple:
-    return (n, k, dtype, bucket, torch.get_num_threads())
+def _choice(n: int, k: int, dtype: torch.dtype, bucket: int, threads: int | None = None):
+    """The one choice made for a weight shape, dtype, row bucket and thread count (keys also hold the
+    forms that applied)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    (choice,) = [c for key, c in skinny_gemm._choices.items() if key[:5] == (n, k, dtype, bucket, threads)]
+    return choice
 
 
 @pytest.mark.parametrize("form", ["transposed", "torch", "rust", "auto"])
@@ -63,20 +67,19 @@ def test_auto_times_each_bucket_then_keeps_the_fastest_form(monkeypatch, caplog)
     wide, square = torch.randn(3072, 576), torch.randn(576, 576)
     x = torch.randn(8, 576)
     forms = ("torch", "transposed", "rust")
-    key = _key(3072, 576, torch.float32, 4)  # rows 8-15
     with caplog.at_level(logging.INFO, logger=skinny_gemm.__name__):
         for _ in range(len(forms) * skinny_gemm.SAMPLES_PER_FORM - 1):
             skinny_gemm.linear(x, wide)
-        assert skinny_gemm._choices[key].chosen is None
+        assert _choice(3072, 576, torch.float32, 4).chosen is None
         skinny_gemm.linear(x, wide)
         skinny_gemm.linear(x, square)  # another shape starts its own timing
         skinny_gemm.linear(x[:3], wide)  # and so does another row bucket
-    choice = skinny_gemm._choices[key]
+    choice = _choice(3072, 576, torch.float32, 4)  # rows 8-15
     assert choice.forms == forms
     assert [len(choice.seconds[f]) for f in forms] == [skinny_gemm.SAMPLES_PER_FORM] * 3
     assert choice.chosen in forms
-    assert skinny_gemm._choices[_key(576, 576, torch.float32, 4)].chosen is None
-    assert skinny_gemm._choices[_key(3072, 576, torch.float32, 2)].chosen is None
+    assert _choice(576, 576, torch.float32, 4).chosen is None
+    assert _choice(3072, 576, torch.float32, 2).chosen is None
     assert caplog.text.count("sglang_dart: CPU linear 576->3072 (float32, 8-15 rows) uses") == 1
     # Decided: later calls are not timed.
     skinny_gemm.linear(x, wide)
@@ -87,9 +90,23 @@ def test_one_row_chooses_between_torch_and_rust_and_many_rows_stay_with_torch(mo
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
     weight = torch.randn(64, 32)
     skinny_gemm.linear(torch.randn(1, 32), weight)
-    assert skinny_gemm._choices[_key(64, 32, torch.float32, 1)].forms == ("torch", "rust")
+    assert _choice(64, 32, torch.float32, 1).forms == ("torch", "rust")
     skinny_gemm.linear(torch.randn(skinny_gemm.MAX_ROWS + 1, 32), weight)
     assert len(skinny_gemm._choices) == 1
+
+
+def test_a_bucket_straddling_a_forms_reach_times_each_set_of_forms(monkeypatch):
+    # Rows 64-127 share a bucket, but the Rust product takes at most 64 rows: whichever count comes
+    # first, the other is timed and decided too, not left to F.linear for good.
+    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    weight = torch.randn(64, 32)
+    for _ in range(4 * skinny_gemm.SAMPLES_PER_FORM):
+        for rows in (65, 64):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(skinny_gemm.linear(x, weight), F.linear(x, weight))
+    bucket = [c for key, c in skinny_gemm._choices.items() if key[:4] == (64, 32, torch.float32, 7)]
+    assert sorted(c.forms for c in bucket) == [("torch", "transposed"), ("torch", "transposed", "rust")]
+    assert all(c.chosen in c.forms for c in bucket)
 
 
 def test_rust_form_gives_a_row_the_same_bits_whatever_the_other_rows(monkeypatch):
@@ -147,8 +164,8 @@ def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, one_torc
     weight = torch.randn(64, 32).bfloat16()
     skinny_gemm.linear(torch.randn(1, 32).bfloat16(), weight)
     skinny_gemm.linear(torch.randn(8, 32).bfloat16(), weight)
-    one_row = skinny_gemm._choices[_key(64, 32, torch.bfloat16, 1)].forms
-    eight_rows = skinny_gemm._choices[_key(64, 32, torch.bfloat16, 4)].forms
+    one_row = _choice(64, 32, torch.bfloat16, 1).forms
+    eight_rows = _choice(64, 32, torch.bfloat16, 4).forms
     assert ("rust" in one_row, "rust" in eight_rows) == (pays, pays)
     assert skinny_gemm.rust_dtypes() == ((torch.float32, torch.bfloat16) if pays else (torch.float32,))
 
@@ -162,8 +179,8 @@ def test_bf16_rust_form_is_offered_only_while_torch_runs_on_one_thread(monkeypat
         for count in (2, 1):
             torch.set_num_threads(count)
             skinny_gemm.linear(x, weight)
-        beside_the_pool = skinny_gemm._choices[(64, 32, torch.bfloat16, 4, 2)].forms
-        alone = skinny_gemm._choices[(64, 32, torch.bfloat16, 4, 1)].forms
+        beside_the_pool = _choice(64, 32, torch.bfloat16, 4, 2).forms
+        alone = _choice(64, 32, torch.bfloat16, 4, 1).forms
     finally:
         torch.set_num_threads(threads)
     assert "rust" not in beside_the_pool and "rust" in alone
@@ -171,7 +188,7 @@ def test_bf16_rust_form_is_offered_only_while_torch_runs_on_one_thread(monkeypat
     torch.set_num_threads(2)
     try:
         skinny_gemm.linear(x.float(), weight.float())
-        assert "rust" in skinny_gemm._choices[(64, 32, torch.float32, 4, 2)].forms
+        assert "rust" in _choice(64, 32, torch.float32, 4, 2).forms
     finally:
         torch.set_num_threads(threads)
 

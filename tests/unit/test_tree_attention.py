@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from sglang_dart.attention import tree_attention
 from sglang_dart.attention.tree_attention import attend, make_plan
 
 ATOL = RTOL = 1e-5
@@ -360,8 +361,6 @@ def test_long_chunks_attend_in_blocks_with_the_same_result(monkeypatch):
     queries are taken in blocks so that no score block exceeds SCORE_BLOCK_BYTES, with the same output."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from sglang_dart.attention import tree_attention
-
     gen = torch.Generator().manual_seed(7)
     heads, kv_heads, dim, prefix, q_len = 4, 2, 8, 40, 96
     k_cache = torch.randn(prefix + q_len + 1, kv_heads, dim, generator=gen)
@@ -392,3 +391,67 @@ def test_long_chunks_attend_in_blocks_with_the_same_result(monkeypatch):
         blocked = attend(plan, q, k_new, v_new, k_cache, v_cache, scaling=0.3, logit_cap=30.0)
     assert LargestFloat.largest <= budget
     torch.testing.assert_close(blocked, whole)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the query heads of a KV head folded into its query rows (on a CPU, from FOLD_HEADS_MIN_REQUESTS requests)
+
+FOLD_CASES = [
+    ([5, 11, 2, 8], [4, 4, 4, 4]),  # dense: verify trees of 4
+    ([7, 1, 3, 9, 0], [1, 5, 3, 8, 2]),  # ragged
+    ([30, 4, 6, 12, 9, 1], [1, 1, 1, 1, 1, 1]),  # decode
+]
+
+
+def _counting_folds(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    fold = tree_attention._fold_heads
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fold(*args, **kwargs)
+
+    monkeypatch.setattr(tree_attention, "_fold_heads", counted)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["causal", "tree", "tree_new_only", "window", "pool"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (6, 1), (4, 4)])
+@pytest.mark.parametrize(("prefix_lens", "query_lens"), FOLD_CASES)
+def test_folded_heads_equal_the_reference_and_the_unfolded_call(
+    monkeypatch, prefix_lens, query_lens, heads, kv_heads, mode
+):
+    assert len(prefix_lens) >= tree_attention.FOLD_HEADS_MIN_REQUESTS
+    case = Case(prefix_lens, query_lens, seed=500 + sum(prefix_lens) + heads, heads=heads, kv_heads=kv_heads)
+    full, new_only = case.use_random_trees() if mode.startswith("tree") else (None, None)
+    window = 3 if mode == "window" else -1
+
+    def run():
+        if mode == "pool":
+            return case.run_from_pool()
+        return case.run(new_only if mode == "tree_new_only" else full, sliding_window=window)
+
+    calls = _counting_folds(monkeypatch)
+    folded = run()
+    assert len(calls) == (1 if kv_heads < heads else 0)  # no GQA: nothing to fold
+    assert_matches(folded, case.reference(sliding_window=window))
+    monkeypatch.setattr(tree_attention, "FOLD_HEADS_MIN_REQUESTS", 10**9)
+    torch.testing.assert_close(folded, run(), atol=1e-6, rtol=1e-6)
+    assert len(calls) <= 1
+
+
+def test_heads_are_not_folded_for_few_requests_or_a_logit_cap(monkeypatch):
+    calls = _counting_folds(monkeypatch)
+    few = tree_attention.FOLD_HEADS_MIN_REQUESTS - 1
+    Case([3] * few, [2] * few, seed=7, heads=9, kv_heads=3).run()
+    capped = Case([3, 5, 1, 4], [2, 2, 2, 2], seed=8, heads=9, kv_heads=3)
+    assert_matches(capped.run(logit_cap=1.0), capped.reference(logit_cap=1.0))
+    assert calls == []
+
+
+def test_folded_heads_in_bfloat16_match_the_unfolded_call(monkeypatch):
+    case = Case([40, 12, 33, 7], [4, 4, 4, 4], seed=9, heads=9, kv_heads=3, head_dim=64)
+    full, _ = case.use_random_trees()
+    folded = case.run(full, dtype=torch.bfloat16)
+    monkeypatch.setattr(tree_attention, "FOLD_HEADS_MIN_REQUESTS", 10**9)
+    assert torch.equal(folded, case.run(full, dtype=torch.bfloat16))
