@@ -71,8 +71,9 @@ MODES = ("auto", *FORMS)
 # on the EPYC).
 MAX_ROWS = 96
 # The packed form is torch's own product without the per-call reorder, which stays worth skipping further:
-# on the AMX Xeon all of SmolLM2's linears took 26.6 against 31.4 ms at 128 rows (DART's verify at batch
-# 16), 35.5 against 48.0 at 256, level at 512 (cold weights, 2 threads). Past this the BLAS decides.
+# on the AMX Xeon all of SmolLM2's linears took 26.6 against 31.4 ms at 128 rows (DART's verify from batch
+# 25 with trees of 4, prefill chunks), 35.5 against 48.0 at 256, level at 512 (cold weights, 2 threads).
+# Past this the BLAS decides.
 PACKED_MAX_ROWS = 511
 # Timed calls per form before a bucket's choice is made; the median resists the VM's stalls.
 SAMPLES_PER_FORM = 8

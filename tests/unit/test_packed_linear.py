@@ -82,7 +82,7 @@ def test_auto_offers_packed_for_bf16_inference_only(monkeypatch):
 
 @needs_packing
 def test_past_the_few_row_forms_auto_still_offers_packed_up_to_its_reach(monkeypatch):
-    # DART's verify at batch 16 (trees of 8: 128 rows) and prefill chunks: torch against packed only.
+    # DART's verify from batch 25 (trees of 4: 100+ rows) and prefill chunks: torch against packed only.
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
     monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: False)
     weight = _bf16(64, 32)
