@@ -135,7 +135,7 @@ def register() -> None:
     from sglang_dart.cpu import detect
 
     if detect.cpu_engine_active():
-        from sglang_dart.cpu import skinny_gemm, small_step_threads
+        from sglang_dart.cpu import gemm_tuning, skinny_gemm, small_step_threads
         from sglang_dart.cpu.grammar import allow_grammar_without_cuda
 
         allow_grammar_without_cuda()
@@ -143,6 +143,7 @@ def register() -> None:
             skinny_gemm.install()
             set_openmp_spinning_once_args_are_known()
             small_step_threads.install()
+            gemm_tuning.install()
         except ValueError as err:
             # SGLang logs and skips a plugin that raises; a bad setting must stop the server instead.
             raise SystemExit(f"sglang_dart: {err}") from err

@@ -23,8 +23,9 @@ Four forms compute the same product:
   23-27 for 8 rows, level at about 20 rows and slower beyond (runs 43-46). `auto` offers it where the
   CPU has AVX512-BF16 and no AMX (`bf16_kernel_pays`).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
-weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread count, on its own serving
-calls: the first calls of a bucket rotate through the forms and are timed, then the fastest is kept.
+weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread count: the forms are timed
+and the fastest is kept. `gemm_tuning` times every bucket of a model's weights when it is loaded; a bucket
+left undecided is timed on its first serving calls, which then rotate through the forms.
 
 `SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `rust`,
 `packed` (force a form wherever it applies). The Rust team has as many threads (caller included) as torch
@@ -203,7 +204,7 @@ def packing_available() -> bool:
 
 @functools.cache
 def packed_budget_bytes() -> int:
-    """SGLANG_DART_PACKED_WEIGHTS_GB in bytes (read once: `_forms_for` asks on every product)."""
+    """SGLANG_DART_PACKED_WEIGHTS_GB in bytes (read once: `forms_for` asks on every product)."""
     value = os.environ.get(PACKED_BUDGET_ENV, "").strip() or str(DEFAULT_PACKED_BUDGET_GB)
     try:
         gigabytes = float(value)
@@ -238,6 +239,15 @@ class PackedWeights:
         self.bytes += size
         return packed
 
+    def has(self, weight: torch.Tensor) -> bool:
+        entry = self._by_id.get(id(weight))
+        return entry is not None and entry[0]() is weight
+
+    def drop(self, weight: torch.Tensor) -> None:
+        """Forget `weight`'s packed copy, if it has one."""
+        if self.has(weight):
+            self._forget(id(weight), weight.numel() * weight.element_size())
+
     def _forget(self, key: int, size: int) -> None:
         if self._by_id.pop(key, None) is not None:
             self.bytes -= size
@@ -265,7 +275,7 @@ PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ...]:
+def forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ...]:
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     packed_fits = (
         weight.dtype == x.dtype == torch.bfloat16
@@ -309,17 +319,32 @@ def _timed_product(choice: _BucketChoice, x: torch.Tensor, weight: torch.Tensor)
     out = PRODUCTS[form](x, weight)
     choice.seconds[form].append(time.perf_counter() - start)
     if all(len(choice.seconds[f]) >= SAMPLES_PER_FORM for f in choice.forms):
-        medians = {f: statistics.median(choice.seconds[f]) for f in choice.forms}
-        fastest = min(medians, key=medians.__getitem__)
-        keep_torch = medians["torch"] * (1 - REQUIRED_GAIN) <= medians[fastest]
-        choice.chosen = "torch" if keep_torch else fastest
-        logger.info(
-            "sglang_dart: CPU linear %d->%d (%s, %s) uses %s (median ms: %s)",
-            weight.shape[1], weight.shape[0], str(weight.dtype).removeprefix("torch."),
-            _bucket_range(_bucket(x.shape[0])), choice.chosen,
-            ", ".join(f"{f} {s * 1e3:.3f}" for f, s in medians.items()),
-        )  # fmt: skip
+        decide(choice, weight, x.shape[0])
     return out
+
+
+def decide(
+    choice: _BucketChoice, weight: torch.Tensor, rows: int, when: str = "", level: int = logging.INFO
+) -> None:
+    """Keep the form with the lowest median time, unless torch's is within REQUIRED_GAIN of it."""
+    medians = {f: statistics.median(choice.seconds[f]) for f in choice.forms}
+    fastest = min(medians, key=medians.__getitem__)
+    keep_torch = medians["torch"] * (1 - REQUIRED_GAIN) <= medians[fastest]
+    choice.chosen = "torch" if keep_torch else fastest
+    logger.log(
+        level,
+        "sglang_dart: CPU linear %d->%d (%s, %s, %d threads%s) uses %s (median ms: %s)",
+        weight.shape[1], weight.shape[0], str(weight.dtype).removeprefix("torch."),
+        _bucket_range(_bucket(rows)), torch.get_num_threads(), when, choice.chosen,
+        ", ".join(f"{f} {s * 1e3:.3f}" for f, s in medians.items()),
+    )  # fmt: skip
+
+
+def bucket_choice(rows: int, weight: torch.Tensor, forms: tuple[str, ...]) -> _BucketChoice:
+    """The choice `linear` consults for `rows` rows of `weight` under torch's current thread count."""
+    # torch's thread count is part of the key: each form's speed depends on it (small_step_threads).
+    key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows), torch.get_num_threads(), forms)
+    return _choices.get(key) or _choices.setdefault(key, _BucketChoice(forms))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,7 +353,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     current = mode()
     if not (1 <= rows <= PACKED_MAX_ROWS) or x.device.type != "cpu" or current == "torch":
         return F.linear(x, weight, bias)
-    forms = _forms_for(rows, x, weight)
+    forms = forms_for(rows, x, weight)
     if forms == ("torch",):  # nothing else applies (more rows than the few-row forms take)
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
@@ -337,9 +362,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, weight, bias)
         out = PRODUCTS[current](flat, weight)
     else:
-        # torch's thread count is part of the key: each form's speed depends on it (small_step_threads).
-        key = (weight.shape[0], weight.shape[1], weight.dtype, _bucket(rows), torch.get_num_threads(), forms)
-        choice = _choices.get(key) or _choices.setdefault(key, _BucketChoice(forms))
+        choice = bucket_choice(rows, weight, forms)
         if choice.chosen is None:
             out = _timed_product(choice, flat, weight)
         elif choice.chosen == "torch":

@@ -116,6 +116,12 @@ def log_openmp_spinning(rust_linears: bool) -> None:
     )
 
 
+def installed() -> bool:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    return getattr(ModelRunner.forward, "_sglang_dart", False)
+
+
 def install() -> None:
     """Wrap SGLang's ModelRunner.forward (CPU engine processes only) to pick torch's thread count."""
     from sglang.srt.model_executor.model_runner import ModelRunner

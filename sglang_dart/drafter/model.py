@@ -138,6 +138,16 @@ class DartDrafter(nn.Module):
         self.qkv_weight = _stack_into_views([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up_weight = _stack_into_views([mlp.gate_proj, mlp.up_proj])
 
+    def served_linear_weights(self) -> list[torch.Tensor]:
+        """The weights a serving draft step multiplies by (`cpu.gemm_tuning` times their products)."""
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        kv = [attn.k_proj.weight, attn.v_proj.weight]  # `project_kv` takes them one by one
+        if self.qkv_weight is None or self.gate_up_weight is None:
+            joined = [attn.q_proj.weight, *kv, mlp.gate_proj.weight, mlp.up_proj.weight]
+        else:
+            joined = [self.qkv_weight, *kv, self.gate_up_weight]
+        return [self.fc.weight, *joined, attn.o_proj.weight, mlp.down_proj.weight, self.lm_head.weight]
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 

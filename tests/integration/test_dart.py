@@ -441,3 +441,13 @@ def test_startup_errors_name_the_problem(tiny_qwen3_dir, smollm2_f32_dir, qwen3_
     for expected, refusal in zip(cases, refused, strict=True):
         assert refusal is not None and expected in refusal, (expected, refusal)
     assert accepted is None
+
+
+def test_linear_forms_are_chosen_at_start_up(qwen3_plain, qwen3_dart):
+    """Target and drafter choose their CPU linear forms once loaded (`cpu/gemm_tuning`), and the requests
+    of this module's tests found every choice made: no serving call timed a form (a serving-time choice
+    is logged per bucket), so a fresh server computes a request as it will later."""
+    for server, runners in ((qwen3_plain, 1), (qwen3_dart, 2)):
+        log = server.log_text()
+        assert len(re.findall(r"CPU linear forms chosen at start-up for \d+ weights", log)) == runners
+        assert not re.findall(r"CPU linear \d+->\d+ \(.*\) uses ", log)
