@@ -8,13 +8,16 @@ loaded its weights, every bucket up to `PACKED_MAX_ROWS` rows is timed here on r
 taking turns as in a forward and each sample on another weight of its shape (so that weights come from
 memory, not from a warm cache), and serving calls find their choice made. Near ties may be decided
 otherwise than serving calls would have (noise either way); a bucket nothing foresaw (a thread count set
-later by hand) is still timed on its serving calls.
+later by hand), or one past the time budget (`budget_seconds`), is still timed on its serving calls.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -91,13 +94,19 @@ class _Pending:
         return time.perf_counter() - start
 
 
-def _time_buckets(pending: list[_Pending]) -> None:
+def _time_buckets(pending: list[_Pending], deadline: float) -> bool:
     """SAMPLES_PER_FORM timed products per form of every pending bucket (one row count), round-robin over
     the shapes as a forward takes them: a shape's weights are then as cold as between layers (timed one
-    shape after another they came out up to 2x faster than in a server and, near ties, chose otherwise)."""
+    shape after another they came out up to 2x faster than in a server and, near ties, chose otherwise).
+    False, with nothing timed, if the first calls say the samples would run past `deadline`."""
+    start = time.perf_counter()
     for entry in pending:  # first-call costs (oneDNN primitives, the Rust team's threads) stay out
         for form in entry.choice.forms:
             skinny_gemm.PRODUCTS[form](entry.x, entry.group[0])
+    first_calls = time.perf_counter() - start
+    if time.perf_counter() + first_calls * skinny_gemm.SAMPLES_PER_FORM > deadline:
+        return False
+    for entry in pending:
         entry.choice.seconds = {form: [] for form in entry.choice.forms}
     for sample in range(skinny_gemm.SAMPLES_PER_FORM):
         for entry in pending:
@@ -105,19 +114,22 @@ def _time_buckets(pending: list[_Pending]) -> None:
             shift = sample % len(forms)
             for form in forms[shift:] + forms[:shift]:
                 entry.choice.seconds[form].append(entry.sample(form))
+    return True
 
 
 def tune_weights(
-    weights: list[torch.Tensor], max_rows: int = skinny_gemm.PACKED_MAX_ROWS
-) -> collections.Counter:
-    """Decide every undecided bucket of up to `max_rows` rows for these weights under torch's current
-    thread count; returns how many buckets chose each form."""
+    weights: list[torch.Tensor], rows_to_tune: list[int] | None = None, deadline: float = math.inf
+) -> collections.Counter | None:
+    """Decide every undecided bucket of these row counts (default `row_counts()`, in that order) for these
+    weights under torch's current thread count; returns how many buckets chose each form, or None if it
+    stopped at the first row count whose samples would have run past `deadline`."""
     chosen: collections.Counter = collections.Counter()
     groups: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
     for weight in weights:
         groups[(*weight.shape, weight.dtype, weight.is_contiguous())].append(weight)
     packed_before = {id(w) for w in weights if skinny_gemm.packed_weights.has(w)}
-    for rows in (r for r in row_counts() if r <= max_rows):
+    finished = True
+    for rows in row_counts() if rows_to_tune is None else rows_to_tune:
         pending: list[_Pending] = []
         for group in groups.values():
             probe = torch.empty(rows, group[0].shape[1], dtype=group[0].dtype)
@@ -129,10 +141,11 @@ def tune_weights(
                 if "packed" in forms:
                     for weight in group:  # one-off reorders, not part of the product's time
                         skinny_gemm.packed_weights.get(weight)
-                pending.append(
-                    _Pending(group, choice, torch.randn(rows, group[0].shape[1]).to(group[0].dtype))
-                )
-        _time_buckets(pending)
+                x = torch.randn(rows, group[0].shape[1]).to(group[0].dtype)
+                pending.append(_Pending(group, choice, x))
+        if not _time_buckets(pending, deadline):
+            finished = False
+            break
         for entry in pending:
             skinny_gemm.decide(entry.choice, entry.group[0], rows, when=", at start-up", level=logging.DEBUG)
             chosen[entry.choice.chosen] += 1
@@ -141,11 +154,11 @@ def tune_weights(
             c.chosen == "packed" and key[:3] == (*group[0].shape, group[0].dtype)
             for key, c in skinny_gemm._choices.items()
         )
-        if not uses_packed:  # copies made only to be timed
+        if not uses_packed:  # copies made only to be timed (or for buckets left to serving calls)
             for weight in group:
                 if id(weight) not in packed_before:
                     skinny_gemm.packed_weights.drop(weight)
-    return chosen
+    return chosen if finished else None
 
 
 def thread_counts(model_runner: Any) -> list[int]:
@@ -158,26 +171,59 @@ def thread_counts(model_runner: Any) -> list[int]:
     return [torch.get_num_threads()]
 
 
+BUDGET_ENV = "SGLANG_DART_GEMM_TUNING_SECONDS"
+DEFAULT_BUDGET_SECONDS = 20.0
+
+
+@functools.cache
+def budget_seconds() -> float:
+    """SGLANG_DART_GEMM_TUNING_SECONDS: the most a model runner spends choosing forms at start-up (0: none,
+    every bucket is timed on its serving calls). Small row counts come first; larger ones left over are
+    timed on their serving calls. SmolLM2-135M takes about 1.5 s; a model of billions of parameters, or a
+    large vocabulary in float32, takes seconds per bucket of hundreds of rows."""
+    value = os.environ.get(BUDGET_ENV, "").strip() or str(DEFAULT_BUDGET_SECONDS)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < math.inf:  # also rejects nan
+        raise ValueError(f"{BUDGET_ENV}={value!r}: expected seconds, 0 or more")
+    return seconds
+
+
 @torch.no_grad()
 def tune_model_runner(model_runner: Any) -> None:
     weights = served_weights(model_runner.model)
-    if not weights:
+    if not weights or budget_seconds() == 0:
         return
     start, before = time.perf_counter(), torch.get_num_threads()
+    deadline = start + budget_seconds()
     chosen: collections.Counter = collections.Counter()
     skinny_gemm.size_rust_team(before)  # as a serving call would: never sized under a one-thread setting
+    left_from: int | None = None
     try:
-        for threads in thread_counts(model_runner):
-            torch.set_num_threads(threads)
-            chosen += tune_weights(weights)
+        threads_used = thread_counts(model_runner)
+        for rows in row_counts():  # a few rows first, at every thread count: decode and small verifies
+            for threads in threads_used:
+                torch.set_num_threads(threads)
+                tuned = tune_weights(weights, [rows], deadline)
+                if tuned is None:
+                    left_from = rows
+                    break
+                chosen += tuned
+            if left_from is not None:
+                break
     finally:
         torch.set_num_threads(before)
-    if chosen:
+    if chosen or left_from is not None:
         logger.info(
-            "sglang_dart: CPU linear forms chosen at start-up for %d weights in %.1f s (%s buckets; "
+            "sglang_dart: CPU linear forms chosen at start-up for %d weights in %.1f s (%s buckets%s; "
             "set %s=torch to keep torch's own product)",
             len(weights), time.perf_counter() - start,
-            ", ".join(f"{form} {n}" for form, n in chosen.most_common()), skinny_gemm.ENV,
+            ", ".join(f"{form} {n}" for form, n in chosen.most_common()) or "no",
+            "" if left_from is None else
+            f"; from {left_from} rows on left to serving calls by {BUDGET_ENV}={budget_seconds():g}",
+            skinny_gemm.ENV,
         )  # fmt: skip
 
 
@@ -185,6 +231,7 @@ def install() -> None:
     """Wrap SGLang's ModelRunner.initialize (CPU engine processes only): tune once the weights are in."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    budget_seconds()  # a bad value fails at start-up
     if skinny_gemm.mode() != "auto" or getattr(ModelRunner.initialize, "_sglang_dart", False):
         return
     sglang_initialize = ModelRunner.initialize

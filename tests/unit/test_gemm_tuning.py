@@ -61,11 +61,47 @@ def test_a_decided_bucket_is_left_alone():
     assert after == before
 
 
-def test_max_rows_bounds_the_buckets():
+def test_only_the_given_row_counts_are_tuned():
     weight = torch.randn(32, 16)
-    gemm_tuning.tune_weights([weight], max_rows=16)
+    gemm_tuning.tune_weights([weight], [1, 2, 4, 8, 16])
     buckets = {key[3] for key in skinny_gemm._choices}
     assert buckets == set(range(1, (16).bit_length() + 1))
+
+
+def test_a_row_count_that_would_overrun_the_deadline_is_left_to_serving_calls():
+    weight = torch.randn(32, 16)
+    assert gemm_tuning.tune_weights([weight], [1, 2], deadline=0.0) is None
+    assert all(choice.chosen is None for choice in skinny_gemm._choices.values())
+    x = torch.randn(2, 16)
+    skinny_gemm.linear(x, weight)  # timed on its serving calls, as without start-up tuning
+    (choice,) = [c for key, c in skinny_gemm._choices.items() if key[3] == 2]
+    assert sum(len(v) for v in choice.seconds.values()) == 1
+
+
+def test_the_budget_keeps_the_smallest_row_counts(monkeypatch):
+    """Row counts go smallest first, each at every thread count, until the budget would be overrun."""
+    runner = types.SimpleNamespace(dtype=torch.float32, device="cpu", model=torch.nn.Module())
+    runner.model.proj = skinny_gemm.Linear(256, 512, bias=False)
+    clock = iter(range(10**6))
+    monkeypatch.setattr(gemm_tuning.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(gemm_tuning, "budget_seconds", lambda: 150.0)  # ticks: a few row counts
+    monkeypatch.setattr(gemm_tuning, "served_weights", lambda model: [model.proj.weight])
+    gemm_tuning.tune_model_runner(runner)
+    decided = sorted({key[3] for key, c in skinny_gemm._choices.items() if c.chosen is not None})
+    undecided = {key[3] for key, c in skinny_gemm._choices.items() if c.chosen is None}
+    assert decided and decided == list(range(1, len(decided) + 1))  # a prefix of the buckets
+    assert len(decided) < skinny_gemm.PACKED_MAX_ROWS.bit_length() and min(undecided) > max(decided)
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf"])
+def test_a_bad_budget_is_refused(monkeypatch, value):
+    gemm_tuning.budget_seconds.cache_clear()
+    monkeypatch.setenv(gemm_tuning.BUDGET_ENV, value)
+    try:
+        with pytest.raises(ValueError, match=gemm_tuning.BUDGET_ENV):
+            gemm_tuning.budget_seconds()
+    finally:
+        gemm_tuning.budget_seconds.cache_clear()
 
 
 def test_row_counts_reach_every_set_of_forms():
@@ -116,3 +152,12 @@ def test_small_step_runners_are_tuned_on_one_thread_too(monkeypatch):
         assert gemm_tuning.thread_counts(bf16_elsewhere) == [torch.get_num_threads()]
     monkeypatch.setattr(small_step_threads, "installed", lambda: False)
     assert gemm_tuning.thread_counts(runner) == [torch.get_num_threads()]
+
+
+def test_a_zero_budget_leaves_every_bucket_to_serving_calls(monkeypatch):
+    runner = types.SimpleNamespace(dtype=torch.float32, device="cpu", model=torch.nn.Module())
+    runner.model.proj = skinny_gemm.Linear(16, 32, bias=False)
+    monkeypatch.setattr(gemm_tuning, "budget_seconds", lambda: 0.0)
+    monkeypatch.setattr(gemm_tuning, "served_weights", lambda model: [model.proj.weight])
+    gemm_tuning.tune_model_runner(runner)
+    assert skinny_gemm._choices == {}
