@@ -32,6 +32,8 @@ from sglang.srt.layers.sampler import (
 )
 from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
 
+from sglang_dart.cpu.greedy_walk import first_argmax
+
 
 def _per_node(x: torch.Tensor | None, nodes: int) -> torch.Tensor | None:
     return None if x is None else torch.repeat_interleave(x, nodes, dim=0)
@@ -208,7 +210,9 @@ def sample_tree_nodes(
     logits[~torch.isfinite(logits).any(dim=-1)] = 0.0
     greedy = _per_node(sampling_info.top_ks, nodes).view(-1) <= 1
     drawn = _draw(sampling_info, logits, nodes, positions, rl_on_policy)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    # On a CPU max(dim).indices is argmax's index, several times faster (`greedy_walk.first_argmax`).
+    best = first_argmax(logits) if logits.is_cpu else logits.argmax(dim=-1)
+    return torch.where(greedy, best, drawn)
 
 
 def pin_logits_to_samples(

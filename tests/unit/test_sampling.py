@@ -98,6 +98,24 @@ def test_greedy_samples_respect_the_processor_at_every_node():
     assert samples.tolist() == [1, 2, 1, 2]
 
 
+def test_greedy_rows_of_a_mixed_batch_take_the_first_maximal_token():
+    """A batch mixing greedy and sampled requests: greedy rows take torch.argmax's index (the first of tied
+    maxima), whatever the faster reduction computes it with."""
+    reqs = [SimpleNamespace(origin_input_ids=[], output_ids=[]) for _ in range(2)]
+    batch = _batch(reqs, [False, False], greedy=False)
+    batch.has_custom_logit_processor = False
+    batch.top_ks = torch.tensor([1, TOP_K_ALL], dtype=torch.int32)  # request 0 greedy, request 1 sampled
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (8, VOCAB), generator=generator).float()  # many ties
+    logits[2, 5] = 9.0
+    logits[3] = float("-inf")
+    samples = sample_tree_nodes(batch, logits, 4)
+    expected = logits[:4].argmax(dim=-1)
+    expected[3] = 0  # an all -inf row is given finite logits first
+    assert samples[:4].tolist() == expected.tolist()
+    assert samples[:4].tolist()[2] == 5
+
+
 # --- seeded sampling (--enable-deterministic-inference) ------------------------------------------------
 
 DEPTHS = [0, 1, 1, 2]  # of TREE's nodes
