@@ -117,21 +117,44 @@ def _time_buckets(pending: list[_Pending], deadline: float) -> bool:
     return True
 
 
-def tune_weights(
-    weights: list[torch.Tensor], rows_to_tune: list[int] | None = None, deadline: float = math.inf
-) -> collections.Counter | None:
-    """Decide every undecided bucket of these row counts (default `row_counts()`, in that order) for these
-    weights under torch's current thread count; returns how many buckets chose each form, or None if it
-    stopped at the first row count whose samples would have run past `deadline`."""
-    chosen: collections.Counter = collections.Counter()
+def _groups(weights: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
     for weight in weights:
         groups[(*weight.shape, weight.dtype, weight.is_contiguous())].append(weight)
+    return list(groups.values())
+
+
+def drop_unused_packed_copies(weights: list[torch.Tensor], packed_before: set[int]) -> None:
+    """Drop the packed copies made only to be timed: of weights whose shape no bucket chose packed for
+    (the buckets left to serving calls pack again if they choose it)."""
+    for group in _groups(weights):
+        uses_packed = any(
+            c.chosen == "packed" and key[:3] == (*group[0].shape, group[0].dtype)
+            for key, c in skinny_gemm._choices.items()
+        )
+        if not uses_packed:
+            for weight in group:
+                if id(weight) not in packed_before:
+                    skinny_gemm.packed_weights.drop(weight)
+
+
+def tune_weights(
+    weights: list[torch.Tensor],
+    rows_to_tune: list[int] | None = None,
+    deadline: float = math.inf,
+    drop_copies: bool = True,
+) -> collections.Counter | None:
+    """Decide every undecided bucket of these row counts (default `row_counts()`, in that order) for these
+    weights under torch's current thread count; returns how many buckets chose each form, or None if it
+    stopped at the first row count whose samples would have run past `deadline`. `drop_copies`: drop the
+    packed copies made only to be timed (a caller tuning row count by row count drops them at the end)."""
+    chosen: collections.Counter = collections.Counter()
+    groups = _groups(weights)
     packed_before = {id(w) for w in weights if skinny_gemm.packed_weights.has(w)}
     finished = True
     for rows in row_counts() if rows_to_tune is None else rows_to_tune:
         pending: list[_Pending] = []
-        for group in groups.values():
+        for group in groups:
             probe = torch.empty(rows, group[0].shape[1], dtype=group[0].dtype)
             forms = skinny_gemm.forms_for(rows, probe, group[0])
             if len(forms) == 1:  # F.linear, nothing to choose
@@ -149,15 +172,8 @@ def tune_weights(
         for entry in pending:
             skinny_gemm.decide(entry.choice, entry.group[0], rows, when=", at start-up", level=logging.DEBUG)
             chosen[entry.choice.chosen] += 1
-    for group in groups.values():
-        uses_packed = any(
-            c.chosen == "packed" and key[:3] == (*group[0].shape, group[0].dtype)
-            for key, c in skinny_gemm._choices.items()
-        )
-        if not uses_packed:  # copies made only to be timed (or for buckets left to serving calls)
-            for weight in group:
-                if id(weight) not in packed_before:
-                    skinny_gemm.packed_weights.drop(weight)
+    if drop_copies:
+        drop_unused_packed_copies(weights, packed_before)
     return chosen if finished else None
 
 
@@ -200,13 +216,14 @@ def tune_model_runner(model_runner: Any) -> None:
     deadline = start + budget_seconds()
     chosen: collections.Counter = collections.Counter()
     skinny_gemm.size_rust_team(before)  # as a serving call would: never sized under a one-thread setting
+    packed_before = {id(w) for w in weights if skinny_gemm.packed_weights.has(w)}
     left_from: int | None = None
     try:
         threads_used = thread_counts(model_runner)
         for rows in row_counts():  # a few rows first, at every thread count: decode and small verifies
             for threads in threads_used:
                 torch.set_num_threads(threads)
-                tuned = tune_weights(weights, [rows], deadline)
+                tuned = tune_weights(weights, [rows], deadline, drop_copies=False)
                 if tuned is None:
                     left_from = rows
                     break
@@ -215,6 +232,7 @@ def tune_model_runner(model_runner: Any) -> None:
                 break
     finally:
         torch.set_num_threads(before)
+        drop_unused_packed_copies(weights, packed_before)
     if chosen or left_from is not None:
         logger.info(
             "sglang_dart: CPU linear forms chosen at start-up for %d weights in %.1f s (%s buckets%s; "

@@ -113,12 +113,19 @@ def test_row_counts_reach_every_set_of_forms():
 
 
 @pytest.mark.skipif(not skinny_gemm.packing_available(), reason="no packed bf16 products on this CPU")
-def test_packed_copies_made_only_for_timing_are_dropped(monkeypatch):
-    weight = torch.randn(64, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("through", ["tune_weights", "tune_model_runner"])
+def test_packed_copies_made_only_for_timing_are_dropped(monkeypatch, through):
+    runner = types.SimpleNamespace(dtype=torch.bfloat16, device="cpu", model=torch.nn.Module())
+    runner.model.proj = skinny_gemm.Linear(64, 64, bias=False).to(torch.bfloat16)
+    weight = runner.model.proj.weight
     monkeypatch.setattr(skinny_gemm, "packed_weights", skinny_gemm.PackedWeights())
     monkeypatch.setattr(skinny_gemm, "REQUIRED_GAIN", 1.0)  # torch always kept: nothing chooses packed
-    gemm_tuning.tune_weights([weight])
-    assert all(choice.chosen == "torch" for choice in skinny_gemm._choices.values())
+    monkeypatch.setattr(gemm_tuning, "served_weights", lambda model: [model.proj.weight])
+    if through == "tune_weights":
+        gemm_tuning.tune_weights([weight])
+    else:
+        gemm_tuning.tune_model_runner(runner)
+    assert skinny_gemm._choices and all(c.chosen == "torch" for c in skinny_gemm._choices.values())
     assert not skinny_gemm.packed_weights.has(weight) and skinny_gemm.packed_weights.bytes == 0
 
 
