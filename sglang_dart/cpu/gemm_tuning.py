@@ -68,7 +68,7 @@ def served_weights(model: nn.Module) -> list[torch.Tensor]:
 def row_counts() -> list[int]:
     """One row count per bucket and set of forms that apply in it: each bucket's first count, and the
     first count past a form's reach (the Rust product's, the few-row forms') inside a bucket."""
-    edges = (2, SKINNY_MATMUL_MAX_ROWS + 1, skinny_gemm.MAX_ROWS + 1)
+    edges = (SKINNY_MATMUL_MAX_ROWS + 1, skinny_gemm.MAX_ROWS + 1)
     counts: set[int] = set()
     for bucket in range(1, skinny_gemm.PACKED_MAX_ROWS.bit_length() + 1):
         low, high = 1 << (bucket - 1), min((1 << bucket) - 1, skinny_gemm.PACKED_MAX_ROWS)

@@ -117,6 +117,7 @@ def log_openmp_spinning(rust_linears: bool) -> None:
 
 
 def installed() -> bool:
+    """Whether ModelRunner.forward is wrapped (`install`)."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     return getattr(ModelRunner.forward, "_sglang_dart", False)
@@ -126,7 +127,7 @@ def install() -> None:
     """Wrap SGLang's ModelRunner.forward (CPU engine processes only) to pick torch's thread count."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    if small_step_tokens() == 0 or getattr(ModelRunner.forward, "_sglang_dart", False):
+    if small_step_tokens() == 0 or installed():
         return
     sglang_forward = ModelRunner.forward
 
