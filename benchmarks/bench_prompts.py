@@ -94,6 +94,28 @@ VARIED: list[Conversation] = [
     "Translate into French: 'The meeting has been moved to Thursday afternoon.'",
 ]
 
+# Requests unlike anything a drafter trained on chat and code answers has seen (other languages, copied
+# random data, long numbers): a stress test of the claim that DART never runs slower than plain decoding
+# whatever its acceptance, not a measure of its speed-up.
+UNFAMILIAR: list[Conversation] = [
+    "Traduis en français : « The committee postponed the vote until the budget figures were checked. »",
+    "Schreibe drei kurze Sätze auf Deutsch über einen verregneten Sonntag im Herbst.",
+    "Escribe una receta corta de tortilla de patatas, en español, con los pasos numerados.",
+    "Repeat the following string exactly, then reverse it: qZ7vKp2LmX9wRt4bNc8Hj",
+    "Multiply 48213 by 7719 and show each partial product.",
+    "Convert these temperatures from Celsius to Fahrenheit: -40, 12.5, 37, 101.3, 3.14159.",
+    "Sort these words alphabetically: zephyr, quill, anchor, marmalade, kettle, obsidian, blizzard, fjord.",
+    "Write the first 25 rows of a CSV file with columns id,sku,price,qty using made-up values.",
+    "Spell out the number 7,403,918,256 in English words.",
+    "Give the ROT13 encoding of: Meet me at the old lighthouse at dawn.",
+    "List the chemical symbols and atomic numbers of the elements from hydrogen to calcium.",
+    "Write a limerick in which every line ends with a word that rhymes with 'orange'.",
+    "Count down from 60 to 1 by threes, separated by semicolons.",
+    "Write a short dialogue in Italian between a barista and a customer ordering breakfast.",
+    "Write a JSON array of 12 objects describing fictional moons, each with name, radius_km and albedo.",
+    "Explain the Japanese phrase 一期一会 and give two example sentences with romaji.",
+]
+
 WARMUP: list[Conversation] = [
     "Write a haiku about autumn.",
     "Explain recursion to a child.",
@@ -101,7 +123,7 @@ WARMUP: list[Conversation] = [
     "Describe the water cycle briefly.",
 ]
 
-SETS: dict[str, list[Conversation]] = {"code": CODE, "varied": VARIED}
+SETS: dict[str, list[Conversation]] = {"code": CODE, "varied": VARIED, "unfamiliar": UNFAMILIAR}
 
 
 def messages(conversation: Conversation) -> list[dict[str, str]]:

@@ -1,5 +1,5 @@
-//! DART core: a memory-mapped 3-gram store, the batched tree pruner, per-request context n-gram indexes, and a few-row matmul for CPU
-//! serving.
+//! DART core: a memory-mapped 3-gram store, the batched tree pruner, per-request context n-gram indexes, a few-row matmul and the
+//! row-wise layer operations for CPU serving.
 //! Pure Rust; the Python bindings live in the `dart-py` crate.
 
 pub mod context;
@@ -7,6 +7,7 @@ pub mod gemm;
 pub mod gemm_bf16;
 pub mod model;
 pub mod prune;
+pub mod rowwise;
 pub mod store;
 pub mod team;
 

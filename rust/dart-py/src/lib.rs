@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 mod context_py;
 mod gemm_py;
 mod prune_py;
+mod rowwise_py;
 mod store_py;
 
 #[pymodule]
@@ -13,5 +14,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     prune_py::register(m)?;
     gemm_py::register(m)?;
     context_py::register(m)?;
+    rowwise_py::register(m)?;
     Ok(())
 }
