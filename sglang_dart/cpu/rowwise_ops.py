@@ -16,6 +16,7 @@ only; `SGLANG_DART_CPU_ROWWISE=0` keeps torch's operations.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -91,13 +92,22 @@ class _Weights:
 _weights = _Weights()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weight: bool = False
+) -> torch.Tensor:
     """SGLang's RMSNorm with default options: `x * rsqrt(mean(x²) + eps) * weight` in float32, rounded
-    to x's type, into a new tensor."""
+    to x's type, into a new tensor. `cast_before_weight`: the normalised row is rounded to x's type
+    before the weight multiplies it (`weight * normed.to(dtype)`, the DART drafter's norm)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
-    _KERNELS[x.dtype]["rms_norm"](_array(rows), _weights.view(weight), _array(out), eps)
+    _KERNELS[x.dtype]["rms_norm"](_array(rows), _weights.view(weight), _array(out), eps, cast_before_weight)
     return out.view(x.shape)
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether these inputs take the Rust path here: installed (the CPU engine, not turned off) and
+    CPU tensors of one type the kernels take, with no gradient to record."""
+    return installed() and _plain(*tensors)
 
 
 def add_rms_norm(
@@ -240,6 +250,7 @@ def install() -> None:
 
 
 def installed() -> bool:
-    from sglang.srt.layers.layernorm import RMSNorm
-
-    return bool(getattr(RMSNorm.forward_native, _MARK, False))
+    """Whether `install()` wrapped SGLang's layers in this process (without importing SGLang: a trainer
+    that never did is not serving)."""
+    layernorm = sys.modules.get("sglang.srt.layers.layernorm")
+    return layernorm is not None and bool(getattr(layernorm.RMSNorm.forward_native, _MARK, False))

@@ -15,11 +15,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sglang_dart.cpu import rowwise_ops
 from sglang_dart.cpu.skinny_gemm import Linear, linear
 from sglang_dart.drafter.config import DraftConfig, DraftConfigError
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if rowwise_ops.applies(x, weight):  # serving on the CPU engine: one Rust call, the same bits
+        return rowwise_ops.rms_norm(x, weight, eps, cast_before_weight=True)
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -81,6 +84,8 @@ class _Mlp(nn.Module):
         """The same MLP with gate and up as one product (`gate_up`: their weights, stacked)."""
         both = linear(x, gate_up)
         size = self.gate_proj.weight.shape[0]
+        if rowwise_ops.applies(both) and both.shape[-1] == 2 * size:
+            return self.down_proj(rowwise_ops.silu_and_mul(both))
         return self.down_proj(nn.functional.silu(both[..., :size]) * both[..., size:])
 
 

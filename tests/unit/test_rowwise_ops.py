@@ -130,6 +130,36 @@ def test_rotary_gives_sglang_s_values_in_place(
     assert torch.equal(v, v_before)  # the rest of the fused projection is untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_drafter_s_norm_and_mlp_keep_their_values(layers: SimpleNamespace, dtype: torch.dtype) -> None:
+    """The DART drafter rounds its normalised row before the weight multiplies it, and its MLP stacks
+    gate and up: on the CPU engine both take the Rust path with torch's values."""
+    from sglang_dart.drafter import model
+
+    x = randn(24, HIDDEN, dtype=dtype, seed=11)
+    weight = torch.nn.Parameter(randn(HIDDEN, dtype=dtype, seed=12, scale=0.3))
+    with torch.no_grad():
+        assert rowwise_ops.applies(x, weight)
+    xf = x.float()
+    want = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    with torch.no_grad():
+        got = model.rms_norm(x, weight, 1e-6)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want.detach())
+    else:
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
+    mlp = model._Mlp(SimpleNamespace(hidden_size=HIDDEN, intermediate_size=64)).to(dtype)
+    stacked = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+    with torch.no_grad():
+        both = model.linear(x, stacked)
+        want_mlp = mlp.down_proj(torch.nn.functional.silu(both[:, :64]) * both[:, 64:])
+        got_mlp = mlp.forward_joined(x, stacked)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got_mlp, want_mlp)
+    else:
+        torch.testing.assert_close(got_mlp, want_mlp, rtol=1e-5, atol=1e-6)
+
+
 def test_a_row_does_not_depend_on_the_batch(layers: SimpleNamespace) -> None:
     """A token gets the same bits decoded alone as verified among 31 others."""
     layer = norm_layer(torch.float32)
@@ -229,13 +259,17 @@ def test_bad_calls_are_errors_not_crashes() -> None:
         )
     with pytest.raises(ValueError, match="weight"):
         _core.rms_norm_f32(
-            np.zeros((2, 8), np.float32), np.zeros(7, np.float32), np.zeros((2, 8), np.float32), 1e-5
+            np.zeros((2, 8), np.float32), np.zeros(7, np.float32), np.zeros((2, 8), np.float32), 1e-5, False
         )
     with pytest.raises(ValueError, match="twice as wide"):
         _core.silu_and_mul_bf16(bits, np.zeros((2, 8), np.int16))
     with pytest.raises(ValueError, match="not contiguous"):
         _core.rms_norm_f32(
-            np.zeros((2, 16), np.float32)[:, ::2], np.zeros(8, np.float32), np.zeros((2, 8), np.float32), 1e-5
+            np.zeros((2, 16), np.float32)[:, ::2],
+            np.zeros(8, np.float32),
+            np.zeros((2, 8), np.float32),
+            1e-5,
+            False,
         )
     shared = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match="cannot be written"):  # one array as two arguments

@@ -83,13 +83,25 @@ fn sum_of_squares(n: usize, value: impl Fn(usize) -> f32) -> f32 {
 }
 
 #[inline(always)]
-fn rms_norm_generic<T: Element>(x: &[T], weight: &[T], out: &mut [T], eps: f32) {
+fn rms_norm_generic<T: Element>(
+    x: &[T],
+    weight: &[T],
+    out: &mut [T],
+    eps: f32,
+    cast_before_weight: bool,
+) {
     let n = x.len().min(weight.len()).min(out.len());
     let (x, weight, out) = (&x[..n], &weight[..n], &mut out[..n]);
     let mean = sum_of_squares(n, |i| x[i].to_f32()) / n as f32;
     let scale = 1.0 / (mean + eps).sqrt();
     for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
-        *o = T::from_f32(v.to_f32() * scale * w.to_f32());
+        let normed = v.to_f32() * scale;
+        let normed = if cast_before_weight {
+            T::from_f32(normed).to_f32()
+        } else {
+            normed
+        };
+        *o = T::from_f32(normed * w.to_f32());
     }
 }
 
@@ -210,8 +222,14 @@ macro_rules! versions {
             use super::*;
 
             #[target_feature(enable = $features)]
-            pub unsafe fn rms_norm_row<T: Element>(x: &[T], weight: &[T], out: &mut [T], eps: f32) {
-                rms_norm_generic(x, weight, out, eps)
+            pub unsafe fn rms_norm_row<T: Element>(
+                x: &[T],
+                weight: &[T],
+                out: &mut [T],
+                eps: f32,
+                cast_before_weight: bool,
+            ) {
+                rms_norm_generic(x, weight, out, eps, cast_before_weight)
             }
 
             #[target_feature(enable = $features)]
@@ -248,8 +266,10 @@ versions!(avx2, "avx2");
 
 dispatch! {
     /// `out = x / sqrt(mean(x²) + eps) * weight` for one row, in float32, rounded once to T (torch's
-    /// `(x * rsqrt(var + eps) * w).to(dtype)`).
-    rms_norm_row => rms_norm_generic(x: &[T], weight: &[T], out: &mut [T], eps: f32)
+    /// `(x * rsqrt(var + eps) * w).to(dtype)`); with `cast_before_weight` the normalised row is rounded
+    /// to T before the weight multiplies it, and the product rounded again (`w * (...).to(dtype)`, as
+    /// HF's Llama and the DART drafter compute it).
+    rms_norm_row => rms_norm_generic(x: &[T], weight: &[T], out: &mut [T], eps: f32, cast_before_weight: bool)
 }
 
 dispatch! {
@@ -326,7 +346,7 @@ mod tests {
         let x = values(577, 1);
         let w: Vec<f32> = (0..577).map(|i| 0.5 + (i % 7) as f32 / 10.0).collect();
         let mut out = vec![0.0; 577];
-        rms_norm_row(&x, &w, &mut out, 1e-5);
+        rms_norm_row(&x, &w, &mut out, 1e-5, false);
         let mean = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 577.0;
         for i in 0..577 {
             let want = x[i] as f64 / (mean + 1e-5).sqrt() * w[i] as f64;
@@ -394,9 +414,11 @@ mod tests {
             .map(|v| f32_to_bf16(*v / 10.0))
             .collect();
         let (mut norm_wide, mut norm_portable) = (vec![0u16; 1536], vec![0u16; 1536]);
-        rms_norm_row(&x[..1536], &w, &mut norm_wide, 1e-5);
-        rms_norm_generic(&x[..1536], &w, &mut norm_portable, 1e-5);
-        assert_eq!(norm_wide, norm_portable);
+        for cast in [false, true] {
+            rms_norm_row(&x[..1536], &w, &mut norm_wide, 1e-5, cast);
+            rms_norm_generic(&x[..1536], &w, &mut norm_portable, 1e-5, cast);
+            assert_eq!(norm_wide, norm_portable);
+        }
         let (mut a, mut b) = (x[..1536].to_vec(), x[1536..3072].to_vec());
         let (mut c, mut d) = (a.clone(), b.clone());
         add_rms_norm_row(&mut a, &mut b, &w, 1e-5);

@@ -60,6 +60,7 @@ fn rms_norm<T: Element + numpy::Element>(
     weight: PyReadonlyArray1<'_, T>,
     out: Out<'_, T>,
     eps: f32,
+    cast_before_weight: bool,
 ) -> PyResult<()> {
     const OP: &str = "rms_norm";
     let mut out = writable(OP, "out", &out)?;
@@ -73,12 +74,8 @@ fn rms_norm<T: Element + numpy::Element>(
     let weight = weight_of(OP, &weight, x.shape()[1])?;
     for (x, mut out) in x.outer_iter().zip(out.outer_iter_mut()) {
         let x = contiguous(OP, "x", x.to_slice())?;
-        rowwise::rms_norm_row(
-            x,
-            weight,
-            contiguous_mut(OP, "out", out.as_slice_mut())?,
-            eps,
-        );
+        let out = contiguous_mut(OP, "out", out.as_slice_mut())?;
+        rowwise::rms_norm_row(x, weight, out, eps, cast_before_weight);
     }
     Ok(())
 }
@@ -214,7 +211,7 @@ macro_rules! typed {
 }
 
 typed!(rms_norm_f32, rms_norm_bf16, rms_norm,
-       (x: PyReadonlyArray2, weight: PyReadonlyArray1, out: Out), eps: f32);
+       (x: PyReadonlyArray2, weight: PyReadonlyArray1, out: Out), eps: f32, cast_before_weight: bool);
 typed!(add_rms_norm_f32, add_rms_norm_bf16, add_rms_norm,
        (x: Out, residual: Out, weight: PyReadonlyArray1), eps: f32);
 typed!(silu_and_mul_f32, silu_and_mul_bf16, silu_and_mul, (x: PyReadonlyArray2, out: Out));
