@@ -84,7 +84,7 @@ class _Mlp(nn.Module):
         """The same MLP with gate and up as one product (`gate_up`: their weights, stacked)."""
         both = linear(x, gate_up)
         size = self.gate_proj.weight.shape[0]
-        if rowwise_ops.applies(both) and both.shape[-1] == 2 * size:
+        if rowwise_ops.silu_pays(both) and both.shape[-1] == 2 * size:
             return self.down_proj(rowwise_ops.silu_and_mul(both))
         return self.down_proj(nn.functional.silu(both[..., :size]) * both[..., size:])
 

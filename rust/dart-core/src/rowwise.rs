@@ -293,6 +293,34 @@ dispatch! {
     rotary_row => rotary_generic(x: &mut [T], cos: &[T], sin: &[T], head_size: usize, neox: bool)
 }
 
+/// The same operations as compiled for any x86-64 (or other CPU) without runtime dispatch: what the
+/// benchmark compares the dispatched versions against.
+pub mod portable {
+    use super::*;
+
+    pub fn rms_norm_row<T: Element>(
+        x: &[T],
+        weight: &[T],
+        out: &mut [T],
+        eps: f32,
+        cast_before_weight: bool,
+    ) {
+        rms_norm_generic(x, weight, out, eps, cast_before_weight)
+    }
+
+    pub fn add_rms_norm_row<T: Element>(x: &mut [T], residual: &mut [T], weight: &[T], eps: f32) {
+        add_rms_norm_generic(x, residual, weight, eps)
+    }
+
+    pub fn silu_and_mul_row<T: Element>(x: &[T], out: &mut [T]) {
+        silu_and_mul_generic(x, out)
+    }
+
+    pub fn rotary_row<T: Element>(x: &mut [T], cos: &[T], sin: &[T], head_size: usize, neox: bool) {
+        rotary_generic(x, cos, sin, head_size, neox)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
