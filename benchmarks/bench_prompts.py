@@ -3,8 +3,10 @@
 
 `code`: the 16 short Python-function prompts of runs 1-29 (all of one kind, like much of the synthetic
 training pool). `varied`: what a chat server sees: code to write and code to complete, explanations, general
-chat, multi-turn conversations, and prompts from a few words to a paragraph. A conversation is a list of
-messages, the last one the user's; a plain string is one user message.
+chat, multi-turn conversations, and prompts from a few words to a paragraph. `unfamiliar`: other languages,
+copied random data, long numbers, made-up tables (a stress test of the speed-up away from the drafter's
+training pool). A conversation is a list of messages, the last one the user's; a plain string is one user
+message.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The five launches
+"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The six launches
 run side by side (each is mostly single-threaded imports) in one module fixture; each test reads its own."""
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ def refused_launches(tiny_llama_dir, tmp_path_factory) -> dict[str, subprocess.C
         "bad tuning budget": (
             [str(tiny_llama_dir), "--device", "cpu"],
             {"SGLANG_DART_GEMM_TUNING_SECONDS": "-5"},
+        ),
+        "bad row-wise setting": (
+            [str(tiny_llama_dir), "--device", "cpu"],
+            {"SGLANG_DART_CPU_ROWWISE": "yes"},
         ),
     }
     with ThreadPoolExecutor(max_workers=len(launches)) as pool:
@@ -63,3 +67,7 @@ def test_bad_packed_weights_budget_stops_the_launcher(refused_launches):
 
 def test_bad_tuning_budget_stops_the_launcher(refused_launches):
     _refused_naming(refused_launches["bad tuning budget"], "SGLANG_DART_GEMM_TUNING_SECONDS='-5'")
+
+
+def test_bad_row_wise_setting_stops_the_launcher(refused_launches):
+    _refused_naming(refused_launches["bad row-wise setting"], "SGLANG_DART_CPU_ROWWISE='yes'")
