@@ -68,6 +68,12 @@ def _small_enough(x: torch.Tensor) -> bool:
     return x.numel() // 2 < TORCH_PARALLEL_ELEMENTS or torch.get_num_threads() == 1
 
 
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether these inputs take the Rust path here: installed (the CPU engine, not turned off) and
+    CPU tensors of one type the kernels take, with no gradient to record."""
+    return installed() and _plain(*tensors)
+
+
 def silu_pays(x: torch.Tensor) -> bool:
     """Whether SiLU-and-mul of x goes to Rust: installed, x plain and `_small_enough`."""
     return _small_enough(x) and applies(x)
@@ -88,10 +94,10 @@ class _Weights:
     """numpy views of weights that serve every call (a layer's norm weight, a rotary table), made once
     per tensor: a view is kept while its tensor's storage is the one the layer holds."""
 
+    LIMIT = 4096  # tensors replaced by new ones (weights reloaded) leave entries behind: start over past it
+
     def __init__(self) -> None:
         self._views: dict[int, tuple[int, torch.Tensor, np.ndarray]] = {}
-
-    LIMIT = 4096  # tensors replaced by new ones (weights reloaded) leave entries behind: start over past it
 
     def view(self, t: torch.Tensor) -> np.ndarray:
         key = id(t)
@@ -118,12 +124,6 @@ def rms_norm(
     out = torch.empty_like(rows)
     _KERNELS[x.dtype]["rms_norm"](_array(rows), _weights.view(weight), _array(out), eps, cast_before_weight)
     return out.view(x.shape)
-
-
-def applies(*tensors: torch.Tensor) -> bool:
-    """Whether these inputs take the Rust path here: installed (the CPU engine, not turned off) and
-    CPU tensors of one type the kernels take, with no gradient to record."""
-    return installed() and _plain(*tensors)
 
 
 def add_rms_norm(

@@ -8,20 +8,11 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use dart_core::gemm::skinny_matmul;
 use dart_core::gemm_bf16::{f32_to_bf16, skinny_matmul_bf16};
 
+mod common;
+use common::values;
+
 const LAYERS: usize = 30;
 const SHAPES: [(usize, usize); 4] = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
-
-fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % 2001) as f32 / 1000.0 - 1.0
-        })
-        .collect()
-}
 
 fn bench_model_linears(c: &mut Criterion) {
     let weights: Vec<Vec<Vec<f32>>> = (0..LAYERS)

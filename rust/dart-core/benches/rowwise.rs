@@ -9,21 +9,20 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use dart_core::gemm_bf16::f32_to_bf16;
 use dart_core::rowwise::{self, portable};
 
+mod common;
+use common::values;
+
 const LAYERS: usize = 30;
 const HIDDEN: usize = 576;
 const INTERMEDIATE: usize = 1536;
 const HEAD: usize = 64;
 const ROTATED: usize = (9 + 3) * HEAD;
 
+/// `common::values` in [-2, 2), as bf16 bits.
 fn bits(len: usize, seed: u64) -> Vec<u16> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            f32_to_bf16((state % 2001) as f32 / 500.0 - 2.0)
-        })
+    values(len, seed)
+        .into_iter()
+        .map(|v| f32_to_bf16(2.0 * v))
         .collect()
 }
 

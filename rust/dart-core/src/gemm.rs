@@ -303,7 +303,7 @@ mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn reference(x: &[f32], w: &[f32], rows: usize, k: usize, n: usize) -> Vec<f64> {
@@ -318,8 +318,8 @@ mod tests {
         out
     }
 
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        // Small deterministic pseudo-random values in [-1, 1).
+    /// Small deterministic pseudo-random values in [-1, 1) (the other kernels' tests take them too).
+    pub(crate) fn values(len: usize, seed: u32) -> Vec<f32> {
         let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);
         (0..len)
             .map(|_| {

@@ -285,16 +285,11 @@ mod avx512 {
 mod tests {
     use super::*;
 
+    /// `gemm`'s test values in [-1, 1), as bf16 bits.
     fn values(len: usize, seed: u32) -> Vec<u16> {
-        // Small deterministic pseudo-random values in [-1, 1), as bf16 bits.
-        let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 17;
-                state ^= state << 5;
-                f32_to_bf16((state % 2001) as f32 / 1000.0 - 1.0)
-            })
+        crate::gemm::tests::values(len, seed)
+            .into_iter()
+            .map(f32_to_bf16)
             .collect()
     }
 

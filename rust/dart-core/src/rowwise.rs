@@ -82,222 +82,12 @@ fn sum_of_squares(n: usize, value: impl Fn(usize) -> f32) -> f32 {
     partial.iter().sum()
 }
 
-#[inline(always)]
-fn rms_norm_generic<T: Element>(
-    x: &[T],
-    weight: &[T],
-    out: &mut [T],
-    eps: f32,
-    cast_before_weight: bool,
-) {
-    let n = x.len().min(weight.len()).min(out.len());
-    let (x, weight, out) = (&x[..n], &weight[..n], &mut out[..n]);
-    let mean = sum_of_squares(n, |i| x[i].to_f32()) / n as f32;
-    let scale = 1.0 / (mean + eps).sqrt();
-    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
-        let normed = v.to_f32() * scale;
-        let normed = if cast_before_weight {
-            T::from_f32(normed).to_f32()
-        } else {
-            normed
-        };
-        *o = T::from_f32(normed * w.to_f32());
-    }
-}
-
-#[inline(always)]
-fn add_rms_norm_generic<T: Element>(x: &mut [T], residual: &mut [T], weight: &[T], eps: f32) {
-    let n = x.len().min(residual.len()).min(weight.len());
-    let (x, residual, weight) = (&mut x[..n], &mut residual[..n], &weight[..n]);
-    let mean = sum_of_squares(n, |i| x[i].to_f32() + residual[i].to_f32()) / n as f32;
-    let scale = 1.0 / (mean + eps).sqrt();
-    for ((a, b), w) in x.iter_mut().zip(residual.iter_mut()).zip(weight) {
-        let s = a.to_f32() + b.to_f32();
-        *b = T::from_f32(s);
-        *a = T::from_f32(s * scale * w.to_f32());
-    }
-}
-
-/// e^x in float32 to about 1 ulp, branch-free so that a row of them vectorises: x = n ln2 + r with
-/// |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial, times 2^n built in the exponent bits.
-#[inline(always)]
-fn exp_f32(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // Adding and taking back 1.5 * 2^23 rounds to an integer (nearest even) with plain float
-    // arithmetic, which every x86-64 vectorises (`f32::round` needs SSE4.1 or a libm call).
-    const ROUND: f32 = 12_582_912.0;
-    let clamped = x.clamp(-87.0, 88.0);
-    let shifted = clamped * std::f32::consts::LOG2_E + ROUND;
-    let n = shifted - ROUND;
-    let r = (clamped - n * LN2_HI) - n * LN2_LO;
-    let mut p = 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
-    // n sits in the low bits of `shifted` (ROUND's bits plus n): 2^n from integer operations alone.
-    let exponent = shifted
-        .to_bits()
-        .wrapping_sub(ROUND.to_bits())
-        .wrapping_add(127);
-    let value = p * f32::from_bits(exponent << 23);
-    // Past the clamp: 0 below (e^-87 is already 1.6e-38), infinity above.
-    let value = if x > 88.72 { f32::INFINITY } else { value };
-    if x < -87.0 {
-        0.0
-    } else {
-        value
-    }
-}
-
-#[inline(always)]
-fn silu_and_mul_generic<T: Element>(x: &[T], out: &mut [T]) {
-    let (gate, up) = x.split_at(out.len().min(x.len() / 2));
-    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-        let a = g.to_f32();
-        let silu = T::from_f32(a / (1.0 + exp_f32(-a)));
-        *o = T::from_f32(silu.to_f32() * u.to_f32());
-    }
-}
-
-#[inline(always)]
-fn rotary_generic<T: Element>(x: &mut [T], cos: &[T], sin: &[T], head_size: usize, neox: bool) {
-    let half = cos.len().min(sin.len()).min(head_size / 2);
-    let round = |v: f32| T::from_f32(v).to_f32();
-    let rotate = |a: T, b: T, c: T, s: T| {
-        let (a, b, c, s) = (a.to_f32(), b.to_f32(), c.to_f32(), s.to_f32());
-        (
-            T::from_f32(round(a * c) - round(b * s)),
-            T::from_f32(round(b * c) + round(a * s)),
-        )
-    };
-    for head in x.chunks_exact_mut(head_size.max(1)) {
-        if neox {
-            let (x1, rest) = head.split_at_mut(half);
-            for (((a, b), c), s) in x1.iter_mut().zip(&mut rest[..half]).zip(cos).zip(sin) {
-                (*a, *b) = rotate(*a, *b, *c, *s);
-            }
-        } else {
-            for ((pair, c), s) in head[..2 * half].chunks_exact_mut(2).zip(cos).zip(sin) {
-                (pair[0], pair[1]) = rotate(pair[0], pair[1], *c, *s);
-            }
-        }
-    }
-}
-
-/// Each public operation runs its generic body compiled for the widest vectors this CPU has. The
-/// bodies do the same float operations in the same order whatever the width (no fused multiply-adds:
-/// Rust never contracts `a * b + c`), so every version gives the same bits.
-macro_rules! dispatch {
-    ($(#[$doc:meta])* $name:ident => $generic:ident($($arg:ident: $ty:ty),*)) => {
-        $(#[$doc])*
-        pub fn $name<T: Element>($($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                {
-                    // SAFETY: the function only enables AVX-512F/BW and AVX2, which this CPU has
-                    // (AVX-512F implies AVX2; checked just above); its arguments are safe slices.
-                    return unsafe { wide::$name::<T>($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: as above, for AVX2.
-                    return unsafe { avx2::$name::<T>($($arg),*) };
-                }
-            }
-            $generic($($arg),*)
-        }
-    };
-}
-
-macro_rules! versions {
-    ($module:ident, $features:literal) => {
-        #[cfg(target_arch = "x86_64")]
-        mod $module {
-            use super::*;
-
-            #[target_feature(enable = $features)]
-            pub unsafe fn rms_norm_row<T: Element>(
-                x: &[T],
-                weight: &[T],
-                out: &mut [T],
-                eps: f32,
-                cast_before_weight: bool,
-            ) {
-                rms_norm_generic(x, weight, out, eps, cast_before_weight)
-            }
-
-            #[target_feature(enable = $features)]
-            pub unsafe fn add_rms_norm_row<T: Element>(
-                x: &mut [T],
-                residual: &mut [T],
-                weight: &[T],
-                eps: f32,
-            ) {
-                add_rms_norm_generic(x, residual, weight, eps)
-            }
-
-            #[target_feature(enable = $features)]
-            pub unsafe fn silu_and_mul_row<T: Element>(x: &[T], out: &mut [T]) {
-                silu_and_mul_generic(x, out)
-            }
-
-            #[target_feature(enable = $features)]
-            pub unsafe fn rotary_row<T: Element>(
-                x: &mut [T],
-                cos: &[T],
-                sin: &[T],
-                head_size: usize,
-                neox: bool,
-            ) {
-                rotary_generic(x, cos, sin, head_size, neox)
-            }
-        }
-    };
-}
-
-versions!(wide, "avx512f,avx512bw,avx2");
-versions!(avx2, "avx2");
-
-dispatch! {
-    /// `out = x / sqrt(mean(x²) + eps) * weight` for one row, in float32, rounded once to T (torch's
-    /// `(x * rsqrt(var + eps) * w).to(dtype)`); with `cast_before_weight` the normalised row is rounded
-    /// to T before the weight multiplies it, and the product rounded again (`w * (...).to(dtype)`, as
-    /// HF's Llama and the DART drafter compute it).
-    rms_norm_row => rms_norm_generic(x: &[T], weight: &[T], out: &mut [T], eps: f32, cast_before_weight: bool)
-}
-
-dispatch! {
-    /// The residual add fused into RMSNorm, in place as SGLang's fused kernels do it: `sum = x +
-    /// residual` in float32, then `residual = sum` rounded to T and `x = rms_norm(sum)` normalised from
-    /// the float32 sum (as torch's `RMSNorm.forward_native(x, residual)` computes it).
-    add_rms_norm_row => add_rms_norm_generic(x: &mut [T], residual: &mut [T], weight: &[T], eps: f32)
-}
-
-dispatch! {
-    /// `out[j] = silu(x[j]) * x[half + j]` for one row of `2 * half` values, rounded as torch's
-    /// `F.silu(a) * b` in T: silu in float32 rounded to T, then the product rounded to T.
-    silu_and_mul_row => silu_and_mul_generic(x: &[T], out: &mut [T])
-}
-
-dispatch! {
-    /// Rotary embedding of one token's heads, in place: `x` holds `heads * head_size` values; the first
-    /// `2 * cos.len()` of each head rotate by the angles whose cosines and sines are `cos`, `sin`, the
-    /// rest stay. NeoX style pairs value i with i + cos.len(); GPT-J style pairs 2i with 2i + 1. Each
-    /// product and sum is rounded to T, as torch's `x1 * cos - x2 * sin` in T.
-    rotary_row => rotary_generic(x: &mut [T], cos: &[T], sin: &[T], head_size: usize, neox: bool)
-}
-
-/// The same operations as compiled for any x86-64 (or other CPU) without runtime dispatch: what the
-/// benchmark compares the dispatched versions against.
+/// The operations' bodies, as compiled for any x86-64 (or other CPU) without runtime dispatch: the
+/// dispatched versions below compile these same bodies for wider vectors, and the benchmark compares them.
 pub mod portable {
     use super::*;
 
+    #[inline(always)]
     pub fn rms_norm_row<T: Element>(
         x: &[T],
         weight: &[T],
@@ -305,20 +95,167 @@ pub mod portable {
         eps: f32,
         cast_before_weight: bool,
     ) {
-        rms_norm_generic(x, weight, out, eps, cast_before_weight)
+        let n = x.len().min(weight.len()).min(out.len());
+        let (x, weight, out) = (&x[..n], &weight[..n], &mut out[..n]);
+        let mean = sum_of_squares(n, |i| x[i].to_f32()) / n as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+            let normed = v.to_f32() * scale;
+            let normed = if cast_before_weight {
+                T::from_f32(normed).to_f32()
+            } else {
+                normed
+            };
+            *o = T::from_f32(normed * w.to_f32());
+        }
     }
 
+    #[inline(always)]
     pub fn add_rms_norm_row<T: Element>(x: &mut [T], residual: &mut [T], weight: &[T], eps: f32) {
-        add_rms_norm_generic(x, residual, weight, eps)
+        let n = x.len().min(residual.len()).min(weight.len());
+        let (x, residual, weight) = (&mut x[..n], &mut residual[..n], &weight[..n]);
+        let mean = sum_of_squares(n, |i| x[i].to_f32() + residual[i].to_f32()) / n as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for ((a, b), w) in x.iter_mut().zip(residual.iter_mut()).zip(weight) {
+            let s = a.to_f32() + b.to_f32();
+            *b = T::from_f32(s);
+            *a = T::from_f32(s * scale * w.to_f32());
+        }
     }
 
+    /// e^x in float32 to about 1 ulp, branch-free so that a row of them vectorises: x = n ln2 + r with
+    /// |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial, times 2^n built in the exponent bits.
+    #[inline(always)]
+    pub(super) fn exp_f32(x: f32) -> f32 {
+        const LN2_HI: f32 = 0.693_145_75;
+        const LN2_LO: f32 = 1.428_606_8e-6;
+        // Adding and taking back 1.5 * 2^23 rounds to an integer (nearest even) with plain float
+        // arithmetic, which every x86-64 vectorises (`f32::round` needs SSE4.1 or a libm call).
+        const ROUND: f32 = 12_582_912.0;
+        let clamped = x.clamp(-87.0, 88.0);
+        let shifted = clamped * std::f32::consts::LOG2_E + ROUND;
+        let n = shifted - ROUND;
+        let r = (clamped - n * LN2_HI) - n * LN2_LO;
+        let mut p = 1.0 / 5040.0;
+        p = p * r + 1.0 / 720.0;
+        p = p * r + 1.0 / 120.0;
+        p = p * r + 1.0 / 24.0;
+        p = p * r + 1.0 / 6.0;
+        p = p * r + 0.5;
+        p = p * r + 1.0;
+        p = p * r + 1.0;
+        // n sits in the low bits of `shifted` (ROUND's bits plus n): 2^n from integer operations alone.
+        let exponent = shifted
+            .to_bits()
+            .wrapping_sub(ROUND.to_bits())
+            .wrapping_add(127);
+        let value = p * f32::from_bits(exponent << 23);
+        // Past the clamp: 0 below (e^-87 is already 1.6e-38), infinity above.
+        let value = if x > 88.72 { f32::INFINITY } else { value };
+        if x < -87.0 {
+            0.0
+        } else {
+            value
+        }
+    }
+
+    #[inline(always)]
     pub fn silu_and_mul_row<T: Element>(x: &[T], out: &mut [T]) {
-        silu_and_mul_generic(x, out)
+        let (gate, up) = x.split_at(out.len().min(x.len() / 2));
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            let a = g.to_f32();
+            let silu = T::from_f32(a / (1.0 + exp_f32(-a)));
+            *o = T::from_f32(silu.to_f32() * u.to_f32());
+        }
     }
 
+    #[inline(always)]
     pub fn rotary_row<T: Element>(x: &mut [T], cos: &[T], sin: &[T], head_size: usize, neox: bool) {
-        rotary_generic(x, cos, sin, head_size, neox)
+        let half = cos.len().min(sin.len()).min(head_size / 2);
+        let round = |v: f32| T::from_f32(v).to_f32();
+        let rotate = |a: T, b: T, c: T, s: T| {
+            let (a, b, c, s) = (a.to_f32(), b.to_f32(), c.to_f32(), s.to_f32());
+            (
+                T::from_f32(round(a * c) - round(b * s)),
+                T::from_f32(round(b * c) + round(a * s)),
+            )
+        };
+        for head in x.chunks_exact_mut(head_size.max(1)) {
+            if neox {
+                let (x1, rest) = head.split_at_mut(half);
+                for (((a, b), c), s) in x1.iter_mut().zip(&mut rest[..half]).zip(cos).zip(sin) {
+                    (*a, *b) = rotate(*a, *b, *c, *s);
+                }
+            } else {
+                for ((pair, c), s) in head[..2 * half].chunks_exact_mut(2).zip(cos).zip(sin) {
+                    (pair[0], pair[1]) = rotate(pair[0], pair[1], *c, *s);
+                }
+            }
+        }
     }
+}
+
+/// Each public operation runs its `portable` body compiled for the widest vectors this CPU has. The
+/// bodies do the same float operations in the same order whatever the width (no fused multiply-adds:
+/// Rust never contracts `a * b + c`), so every version gives the same bits.
+macro_rules! dispatch {
+    ($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*)) => {
+        $(#[$doc])*
+        pub fn $name<T: Element>($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx2")]
+                unsafe fn wide<T: Element>($($arg: $ty),*) {
+                    portable::$name($($arg),*)
+                }
+                #[target_feature(enable = "avx2")]
+                unsafe fn avx2<T: Element>($($arg: $ty),*) {
+                    portable::$name($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                {
+                    // SAFETY: `wide` only enables AVX-512F/BW and AVX2, which this CPU has (AVX-512F
+                    // implies AVX2; checked just above); its arguments are safe slices.
+                    return unsafe { wide::<T>($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: as above, for AVX2.
+                    return unsafe { avx2::<T>($($arg),*) };
+                }
+            }
+            portable::$name($($arg),*)
+        }
+    };
+}
+
+dispatch! {
+    /// `out = x / sqrt(mean(x²) + eps) * weight` for one row, in float32, rounded once to T (torch's
+    /// `(x * rsqrt(var + eps) * w).to(dtype)`); with `cast_before_weight` the normalised row is rounded
+    /// to T before the weight multiplies it, and the product rounded again (`w * (...).to(dtype)`, as
+    /// HF's Llama and the DART drafter compute it).
+    rms_norm_row(x: &[T], weight: &[T], out: &mut [T], eps: f32, cast_before_weight: bool)
+}
+
+dispatch! {
+    /// The residual add fused into RMSNorm, in place as SGLang's fused kernels do it: `sum = x +
+    /// residual` in float32, then `residual = sum` rounded to T and `x = rms_norm(sum)` normalised from
+    /// the float32 sum (as torch's `RMSNorm.forward_native(x, residual)` computes it).
+    add_rms_norm_row(x: &mut [T], residual: &mut [T], weight: &[T], eps: f32)
+}
+
+dispatch! {
+    /// `out[j] = silu(x[j]) * x[half + j]` for one row of `2 * half` values, rounded as torch's
+    /// `F.silu(a) * b` in T: silu in float32 rounded to T, then the product rounded to T.
+    silu_and_mul_row(x: &[T], out: &mut [T])
+}
+
+dispatch! {
+    /// Rotary embedding of one token's heads, in place: `x` holds `heads * head_size` values; the first
+    /// `2 * cos.len()` of each head rotate by the angles whose cosines and sines are `cos`, `sin`, the
+    /// rest stay. NeoX style pairs value i with i + cos.len(); GPT-J style pairs 2i with 2i + 1. Each
+    /// product and sum is rounded to T, as torch's `x1 * cos - x2 * sin` in T.
+    rotary_row(x: &mut [T], cos: &[T], sin: &[T], head_size: usize, neox: bool)
 }
 
 #[cfg(test)]
@@ -329,16 +266,11 @@ mod tests {
         (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-30)
     }
 
-    /// Deterministic values over several binades, both signs.
+    /// Deterministic values in [-10, 10): several binades, both signs.
     fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(2_654_435_761).max(1);
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 17;
-                state ^= state << 5;
-                (state % 20_000) as f32 / 1_000.0 - 10.0
-            })
+        crate::gemm::tests::values(n, seed)
+            .into_iter()
+            .map(|v| v * 10.0)
             .collect()
     }
 
@@ -347,16 +279,16 @@ mod tests {
         let mut x = -87.0f32;
         while x < 88.0 {
             assert!(
-                close(exp_f32(x), x.exp(), 4e-7),
+                close(portable::exp_f32(x), x.exp(), 4e-7),
                 "exp({x}) = {} vs {}",
-                exp_f32(x),
+                portable::exp_f32(x),
                 x.exp()
             );
             x += 0.0137;
         }
-        assert_eq!(exp_f32(100.0), f32::INFINITY);
-        assert_eq!(exp_f32(-100.0), 0.0);
-        assert_eq!(exp_f32(0.0), 1.0);
+        assert_eq!(portable::exp_f32(100.0), f32::INFINITY);
+        assert_eq!(portable::exp_f32(-100.0), 0.0);
+        assert_eq!(portable::exp_f32(0.0), 1.0);
     }
 
     #[test]
@@ -444,23 +376,23 @@ mod tests {
         let (mut norm_wide, mut norm_portable) = (vec![0u16; 1536], vec![0u16; 1536]);
         for cast in [false, true] {
             rms_norm_row(&x[..1536], &w, &mut norm_wide, 1e-5, cast);
-            rms_norm_generic(&x[..1536], &w, &mut norm_portable, 1e-5, cast);
+            portable::rms_norm_row(&x[..1536], &w, &mut norm_portable, 1e-5, cast);
             assert_eq!(norm_wide, norm_portable);
         }
         let (mut a, mut b) = (x[..1536].to_vec(), x[1536..3072].to_vec());
         let (mut c, mut d) = (a.clone(), b.clone());
         add_rms_norm_row(&mut a, &mut b, &w, 1e-5);
-        add_rms_norm_generic(&mut c, &mut d, &w, 1e-5);
+        portable::add_rms_norm_row(&mut c, &mut d, &w, 1e-5);
         assert_eq!((a, b), (c, d));
         let (mut silu_wide, mut silu_portable) = (vec![0u16; 1536], vec![0u16; 1536]);
         silu_and_mul_row(&x[..3072], &mut silu_wide);
-        silu_and_mul_generic(&x[..3072], &mut silu_portable);
+        portable::silu_and_mul_row(&x[..3072], &mut silu_portable);
         assert_eq!(silu_wide, silu_portable);
         for neox in [true, false] {
-            let (mut wide, mut portable) = (x[..576].to_vec(), x[..576].to_vec());
+            let (mut wide, mut scalar) = (x[..576].to_vec(), x[..576].to_vec());
             rotary_row(&mut wide, &w[..32], &w[32..64], 64, neox);
-            rotary_generic(&mut portable, &w[..32], &w[32..64], 64, neox);
-            assert_eq!(wide, portable);
+            portable::rotary_row(&mut scalar, &w[..32], &w[32..64], 64, neox);
+            assert_eq!(wide, scalar);
         }
     }
 }

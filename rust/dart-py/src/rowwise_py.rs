@@ -195,51 +195,29 @@ fn rotary<T: Element + numpy::Element>(
     Ok(())
 }
 
-/// One Python function per element type: float32, and bf16 as int16 bits.
+/// One Python function per element type: float32, and bf16 as int16 bits. Arguments in brackets come
+/// first and are the same for both (the rotary's int64 positions).
 macro_rules! typed {
-    ($f32_name:ident, $bf16_name:ident, $generic:ident,
+    ($f32_name:ident, $bf16_name:ident, $generic:ident, [$($pre:ident: $pre_ty:ty),*]
      ($($arg:ident: $ty:ident),*) $(, $extra:ident: $extra_ty:ty)*) => {
         #[pyfunction]
-        fn $f32_name($($arg: $ty<'_, f32>,)* $($extra: $extra_ty),*) -> PyResult<()> {
-            $generic($($arg,)* $($extra),*)
+        fn $f32_name($($pre: $pre_ty,)* $($arg: $ty<'_, f32>,)* $($extra: $extra_ty),*) -> PyResult<()> {
+            $generic($($pre,)* $($arg,)* $($extra),*)
         }
         #[pyfunction]
-        fn $bf16_name($($arg: $ty<'_, i16>,)* $($extra: $extra_ty),*) -> PyResult<()> {
-            $generic($($arg,)* $($extra),*)
+        fn $bf16_name($($pre: $pre_ty,)* $($arg: $ty<'_, i16>,)* $($extra: $extra_ty),*) -> PyResult<()> {
+            $generic($($pre,)* $($arg,)* $($extra),*)
         }
     };
 }
 
-typed!(rms_norm_f32, rms_norm_bf16, rms_norm,
+typed!(rms_norm_f32, rms_norm_bf16, rms_norm, []
        (x: PyReadonlyArray2, weight: PyReadonlyArray1, out: Out), eps: f32, cast_before_weight: bool);
-typed!(add_rms_norm_f32, add_rms_norm_bf16, add_rms_norm,
+typed!(add_rms_norm_f32, add_rms_norm_bf16, add_rms_norm, []
        (x: Out, residual: Out, weight: PyReadonlyArray1), eps: f32);
-typed!(silu_and_mul_f32, silu_and_mul_bf16, silu_and_mul, (x: PyReadonlyArray2, out: Out));
-
-/// Positions are int64 for both element types, so the rotary pair is written out.
-#[pyfunction]
-fn rotary_f32(
-    positions: PyReadonlyArray1<'_, i64>,
-    cos_sin: PyReadonlyArray2<'_, f32>,
-    query: Out<'_, f32>,
-    key: Out<'_, f32>,
-    head_size: usize,
-    neox: bool,
-) -> PyResult<()> {
-    rotary(positions, cos_sin, query, key, head_size, neox)
-}
-
-#[pyfunction]
-fn rotary_bf16(
-    positions: PyReadonlyArray1<'_, i64>,
-    cos_sin: PyReadonlyArray2<'_, i16>,
-    query: Out<'_, i16>,
-    key: Out<'_, i16>,
-    head_size: usize,
-    neox: bool,
-) -> PyResult<()> {
-    rotary(positions, cos_sin, query, key, head_size, neox)
-}
+typed!(silu_and_mul_f32, silu_and_mul_bf16, silu_and_mul, [] (x: PyReadonlyArray2, out: Out));
+typed!(rotary_f32, rotary_bf16, rotary, [positions: PyReadonlyArray1<'_, i64>]
+       (cos_sin: PyReadonlyArray2, query: Out, key: Out), head_size: usize, neox: bool);
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm_f32, m)?)?;
