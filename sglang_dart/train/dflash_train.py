@@ -51,7 +51,9 @@ def block_logits(
     anchors = anchors.to(feats.input_ids.device)
     ids = torch.full((anchors.shape[0], block), mask_id, dtype=torch.long, device=anchors.device)
     ids[:, 0] = feats.input_ids[anchors]
-    taps = feats.taps[:seen].to(model.fc.weight.dtype)
+    # Context rows padded to a bucketed count (`trainer.bucketed`): no block sees them (each sees the
+    # context before its anchor), and the products keep a few row counts.
+    taps = trainer.pad_rows(feats.taps[:seen].to(model.fc.weight.dtype), trainer.bucketed(seen))
     hidden = model(target.embed[ids], anchors, taps)
     # The LM head in float32 outside autocast: on CPUs without AMX a bf16 product of this size (rows x the
     # whole vocabulary) ran several times slower than float32, and it is most of a step's work.

@@ -15,7 +15,7 @@ from torch import nn
 from sglang_dart.train.eagle3_model import Eagle3Drafter
 from sglang_dart.train.estimate import AcceptEstimate, _leading_hits
 from sglang_dart.train.features import SequenceFeatures
-from sglang_dart.train.trainer import RowStats, TrainSettings, fit, top1_hits
+from sglang_dart.train.trainer import RowStats, TrainSettings, bucketed, fit, pad_rows, top1_hits
 from sglang_dart.train.trainer import bf16_autocast as autocast_on
 from sglang_dart.train.vocab import DraftVocab
 
@@ -47,6 +47,18 @@ def window_of(feats: SequenceFeatures, vocab: DraftVocab, start: int, length: in
         feats.input_ids[start + 1 : end + 1],
         vocab.to_draft(feats.labels[start + 1 : end + 1]),
         max(feats.first_anchor() - start, 0),
+    )
+
+
+def padded_window(window: Window) -> Window:
+    """The window followed by filler positions up to a bucketed count (`trainer.bucketed`): their labels
+    are -100, and no real position attends to a later one."""
+    count = bucketed(window.tokens.shape[0])
+    return replace(
+        window,
+        taps=pad_rows(window.taps, count),
+        tokens=pad_rows(window.tokens, count),
+        labels=pad_rows(window.labels, count, -100),
     )
 
 
@@ -104,7 +116,7 @@ def train(
 
     def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
         first = rng.randrange(max(1, feats.input_ids.shape[0] - 1 - window + 1))
-        win = window_of(feats, vocab, first, window).to(device)
+        win = padded_window(window_of(feats, vocab, first, window)).to(device)
         return window_loss(model, win, ttt_steps, settings.row_decay)
 
     return fit(model, usable, settings, sequence_step, log, unit="step")

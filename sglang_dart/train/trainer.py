@@ -84,6 +84,38 @@ def soft_cross_entropy(logits: torch.Tensor, draft_ids: torch.Tensor, probs: tor
     return -(probs * log_q).sum(-1)
 
 
+# Row counts a training forward is padded to a multiple of (every format's trainer). oneDNN compiles a
+# kernel for each new row count of a product and keeps about 1,024; a sequence's rows took any of some
+# 500 counts, so most CPU steps compiled their products anew: padded, a DART step trained 1.57x as many
+# steps a minute and EAGLE3 1.22x (benchmarks/results/acceptance.md, run 22).
+ROW_BUCKET = 32
+
+
+def bucketed(count: int) -> int:
+    """`count` rounded up to a multiple of ROW_BUCKET."""
+    return -(-count // ROW_BUCKET) * ROW_BUCKET
+
+
+def pad_rows(rows: torch.Tensor, count: int, value: float | int = 0) -> torch.Tensor:
+    """rows [n, ...] followed by count - n rows filled with `value` (rows itself when count <= n)."""
+    extra = count - rows.shape[0]
+    if extra <= 0:
+        return rows
+    return torch.cat([rows, rows.new_full((extra, *rows.shape[1:]), value)])
+
+
+def padded_rows(
+    taps: torch.Tensor, next_tokens: torch.Tensor, first: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(taps, next_tokens, wanted_from): a sequence's real rows followed by filler rows up to a bucketed
+    count, and the first of the rows whose row-0 logits are computed, moved back from `first` so that
+    their count is bucketed too. Filler rows come after every real one, so no real row or mask slot
+    attends to them (each sees keys up to its own position or its anchor)."""
+    padded = bucketed(taps.shape[0])
+    wanted_from = max(0, padded - bucketed(padded - first))
+    return pad_rows(taps, padded), pad_rows(next_tokens, padded), wanted_from
+
+
 def sequence_loss(
     model: DartDrafter,
     feats: SequenceFeatures,
@@ -98,12 +130,16 @@ def sequence_loss(
     positions (a chat template's system prompt above all) would teach it text it is never asked for."""
     d = model.cfg.draft_length
     num_real = feats.input_ids.shape[0] - 1
-    taps = feats.taps[:num_real].to(model.fc.weight.dtype)
     first = min(feats.first_anchor(), num_real)
-    real_rows = torch.arange(first, num_real, device=anchors.device)
-    out = block_logits(model, taps, feats.input_ids[1:], anchors, real_rows)
+    taps, next_tokens, wanted_from = padded_rows(
+        feats.taps[:num_real].to(model.fc.weight.dtype), feats.input_ids[1:], first
+    )
+    real_rows = torch.arange(wanted_from, taps.shape[0], device=anchors.device)
+    out = block_logits(model, taps, next_tokens, anchors, real_rows)
     labels = vocab.to_draft(feats.labels)  # draft ids, -100 outside the draft vocabulary
-    row0_labels = labels[1 + first : num_real + 1]
+    # Rows the padding added (prompt rows before `first`, filler rows past the sequence) learn nothing.
+    row0_labels = torch.full_like(real_rows, -100)
+    row0_labels[first - wanted_from : num_real - wanted_from] = labels[1 + first : num_real + 1]
     label_index = anchors.unsqueeze(1) + 1 + torch.arange(1, d + 1, device=anchors.device)  # [A, d]
     valid = label_index < labels.shape[0]
     clamped = label_index.clamp(max=labels.shape[0] - 1)
@@ -122,7 +158,7 @@ def sequence_loss(
     logits = out.all.float()
     per_token = nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
     if soft_weight > 0 and feats.soft_ids is not None and feats.soft_probs is not None:
-        positions = torch.cat([real_rows + 1, clamped.reshape(-1)])
+        positions = torch.cat([(real_rows + 1).clamp(max=labels.shape[0] - 1), clamped.reshape(-1)])
         draft_ids = vocab.t2d[feats.soft_ids[positions].long()]
         soft = soft_cross_entropy(logits, draft_ids, feats.soft_probs[positions])
         per_token = (1 - soft_weight) * per_token + soft_weight * torch.where(keep, soft, 0.0)
