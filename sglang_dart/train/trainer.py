@@ -86,8 +86,8 @@ def soft_cross_entropy(logits: torch.Tensor, draft_ids: torch.Tensor, probs: tor
 
 # Row counts a training forward is padded to a multiple of (every format's trainer). oneDNN compiles a
 # kernel for each new row count of a product and keeps about 1,024; a sequence's rows took any of some
-# 500 counts, so most CPU steps compiled their products anew: padded, a DART step trained 1.57x as many
-# steps a minute and EAGLE3 1.22x (benchmarks/results/acceptance.md, run 22).
+# 500 counts, so most CPU steps compiled their products anew. Padded, DART trained 1.40x (one thread) to
+# 1.57x (two) the steps a minute and EAGLE3 1.22x (benchmarks/results/acceptance.md, run 22).
 ROW_BUCKET = 32
 
 
