@@ -118,6 +118,12 @@ def make_parser() -> argparse.ArgumentParser:
         "tap's mean absolute value (a regulariser; 0: none)",
     )
     p.add_argument(
+        "--greedy-chains-only",
+        action="store_true",
+        help="DART only: a draft row learns only where the data keeps to the target's greedy chain from "
+        "the anchor on (for text the target did not write: documents, other models' answers)",
+    )
+    p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -189,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.feature_noise and args.format != "dart":
         raise SystemExit(f"--feature-noise applies to DART's training only, not to --format {args.format}")
+    if args.greedy_chains_only and args.format != "dart":
+        raise SystemExit(
+            f"--greedy-chains-only applies to DART's training only, not to --format {args.format}"
+        )
     if args.soft_weight and args.format != "dart":
         raise SystemExit(f"--soft-weight applies to DART's loss only, not to --format {args.format}")
     check_vocab_growth(args)

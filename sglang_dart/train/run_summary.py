@@ -29,6 +29,7 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSetti
         "row_decay": args.row_decay,
         "soft_weight": args.soft_weight,
         "feature_noise": args.feature_noise,
+        "greedy_chains_only": args.greedy_chains_only,
         "bf16_autocast": args.bf16,
         "seed": args.seed,
     }

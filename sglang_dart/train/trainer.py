@@ -34,6 +34,7 @@ class TrainSettings:
     row_decay: float = 0.8  # gamma
     soft_weight: float = 0.0  # share of the loss against the target's distribution (0: its argmax only)
     feature_noise: float = 0.0  # noise std on each tap, relative to its mean |value| (0: none)
+    greedy_chains_only: bool = False  # supervise only where the data follows the target's greedy chain
     grad_clip: float = 1.0
     bf16_autocast: bool = True
     seed: int = 0
@@ -116,6 +117,18 @@ def padded_rows(
     return pad_rows(taps, padded), pad_rows(next_tokens, padded), wanted_from
 
 
+def greedy_run_lengths(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[T-1]: at real position t, how many tokens from x_{t+1} on the sequence keeps to the target's
+    greedy choice (x_{u+1} == argmax at u for u = t, t+1, ...). Computed on the tensors' device, no host
+    read: the index of the first departure at or after t (a reversed running minimum), minus t."""
+    num_real = input_ids.shape[0] - 1
+    follows = input_ids[1:] == labels[:num_real]
+    index = torch.arange(num_real, device=input_ids.device)
+    departures = torch.where(follows, num_real, index)
+    first_departure = departures.flip(0).cummin(0).values.flip(0)
+    return first_departure - index
+
+
 def sequence_loss(
     model: DartDrafter,
     feats: SequenceFeatures,
@@ -123,11 +136,18 @@ def sequence_loss(
     anchors: torch.Tensor,
     row_decay: float,
     soft_weight: float = 0.0,
+    greedy_chains_only: bool = False,
 ) -> SequenceLoss:
     """Real position t (t < T-1) carries (taps_t, x_{t+1}); row i of the anchor at p is supervised by the
     target's argmax at position p+1+i (and, with `soft_weight`, by its distribution there). Row 0 learns at
     the real positions from `feats.first_anchor()` on: a drafter is only served answers, and a prompt's
-    positions (a chat template's system prompt above all) would teach it text it is never asked for."""
+    positions (a chat template's system prompt above all) would teach it text it is never asked for.
+
+    With `greedy_chains_only`, row i of the anchor at p learns only where x_{p+1} .. x_{p+1+i} are the
+    target's own greedy tokens: served, the root is always the target's choice and row i is asked for the
+    greedy chain's next token, so on text the target did not write (documents, other models' answers) a
+    label past a departure would teach a continuation no verify step ever accepts. On the target's own
+    greedy answers it drops only the near-ties where the feature pass and the generating engine disagree."""
     d = model.cfg.draft_length
     num_real = feats.input_ids.shape[0] - 1
     first = min(feats.first_anchor(), num_real)
@@ -144,6 +164,13 @@ def sequence_loss(
     valid = label_index < labels.shape[0]
     clamped = label_index.clamp(max=labels.shape[0] - 1)
     mask_labels = torch.where(valid, labels[clamped], -100)
+    if greedy_chains_only:
+        runs = greedy_run_lengths(feats.input_ids, feats.labels)
+        row0_run = torch.zeros_like(real_rows)
+        row0_run[first - wanted_from : num_real - wanted_from] = runs[first:num_real]
+        row0_labels = torch.where(row0_run >= 1, row0_labels, -100)
+        depth = torch.arange(1, d + 1, device=anchors.device)  # row j needs x_{p+1} .. x_{p+1+j} greedy
+        mask_labels = torch.where(runs[anchors].unsqueeze(1) >= depth + 1, mask_labels, -100)
     # One loss over every logits row at once (slicing it per draft row made the backward fill and add
     # a zero gradient of all the logits once per row): row 0 at every real position, row j of every
     # anchor at p+1+j; each draft row's mean, weighted by gamma^row.
@@ -374,7 +401,15 @@ def train(
             num_taps = feats.taps.shape[1] // model.cfg.target_hidden_size
             taps = noised_taps(feats.taps, num_taps, settings.feature_noise, generator)
             feats = replace(feats, taps=taps)
-        result = sequence_loss(model, feats, on_device, anchors, settings.row_decay, settings.soft_weight)
+        result = sequence_loss(
+            model,
+            feats,
+            on_device,
+            anchors,
+            settings.row_decay,
+            settings.soft_weight,
+            settings.greedy_chains_only,
+        )
         return result.loss, result.stats
 
     return fit(model, usable, settings, sequence_step, log)

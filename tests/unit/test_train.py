@@ -559,6 +559,7 @@ def test_feature_noise_scales_with_each_tap_and_training_still_learns():
         (["--feature-noise", "-0.1"], "standard deviation"),
         (["--anchors", "0"], "at least 1"),
         (["--format", "dflash", "--feature-noise", "0.1"], "DART's training only"),
+        (["--format", "eagle3", "--greedy-chains-only"], "DART's training only"),
         (["--init", "CHECKPOINT", "--draft-vocab-size", "4096"], "grow, not shrink"),
         (["--device", "banana"], "--device 'banana'"),
         (["--device", "meta"], "'cpu' or 'cuda"),
