@@ -50,6 +50,8 @@ MIN_LINES, MAX_LINES = 4, 40
 class Snippet:
     path: str
     code: str  # dedented source of one function or class
+    name: str = ""  # the function's or class's name
+    kind: str = "function"  # "function" or "class"
 
 
 def python_snippets(path: Path, text: str) -> list[Snippet]:
@@ -63,7 +65,9 @@ def python_snippets(path: Path, text: str) -> list[Snippet]:
         start = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
         end = node.end_lineno or node.lineno
         if MIN_LINES <= end - start <= MAX_LINES:
-            found.append(Snippet(str(path), textwrap.dedent("\n".join(lines[start:end])).strip("\n")))
+            code = textwrap.dedent("\n".join(lines[start:end])).strip("\n")
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            found.append(Snippet(str(path), code, node.name, kind))
     return found
 
 
@@ -118,6 +122,15 @@ def make_prompts(snippets: list[Snippet], count: int, seed: int, exclude: set[st
     return prompts
 
 
+def checked_sources_and_exclude(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
+    """The lines of --exclude-file (none without one), after every --source was found to exist (a
+    parser error naming the missing ones otherwise); shared by the commands that read sources."""
+    missing = [str(s) for s in args.source if not s.exists()]
+    if missing:
+        parser.error(f"no such source: {', '.join(missing)}")
+    return set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m sglang_dart.train.code_prompts", description=__doc__.split("\n")[0]
@@ -128,12 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exclude-file", type=Path, default=None, help="prompts (one per line) to keep out")
     args = p.parse_args(argv)
-    missing = [str(s) for s in args.source if not s.exists()]
-    if missing:
-        p.error(f"no such source: {', '.join(missing)}")
+    exclude = checked_sources_and_exclude(p, args)
     if args.count < 1:
         p.error("--count must be >= 1")
-    exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
     snippets, skipped = collect_snippets(args.source)
     if not snippets:
         p.error(f"no function or class of {MIN_LINES}-{MAX_LINES} lines in the sources")

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_dart.train.code_prompts import collect_snippets
+from sglang_dart.train.code_prompts import checked_sources_and_exclude, collect_snippets
 
 TEXT_SUFFIXES = (".rst", ".txt", ".md")
 _QUESTIONS = [
@@ -101,7 +101,8 @@ def sections(text: str) -> list[tuple[str, str]]:
             found.append((title, body))
             title, body = heading, []
     found.append((title, body))
-    return [(t, "\n".join(b).strip()) for t, b in found if t and "\n".join(b).strip()]
+    joined = [(t, "\n".join(b).strip()) for t, b in found]
+    return [(t, b) for t, b in joined if t and b]
 
 
 def word_chunks(body: str, max_words: int) -> list[str]:
@@ -136,14 +137,7 @@ def code_chunks(sources: list[Path], rng: random.Random) -> tuple[list[Chunk], C
     snippets, skipped = collect_snippets(sources)
     out = []
     for snippet in snippets:
-        first = snippet.code.lstrip().splitlines()[0]
-        match = re.search(r"(def|class)\s+(\w+)", first)
-        if match is None:  # a decorator line first: look further
-            match = re.search(r"(def|class)\s+(\w+)", snippet.code)
-        if match is None:
-            continue
-        kind = "function" if match.group(1) == "def" else "class"
-        question = rng.choice(_CODE_QUESTIONS).format(kind=kind, name=match.group(2))
+        question = rng.choice(_CODE_QUESTIONS).format(kind=snippet.kind, name=snippet.name)
         out.append(Chunk(question, f"```python\n{snippet.code}\n```"))
     return out, skipped
 
@@ -201,12 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exclude-file", type=Path, default=None, help="prompts (one per line) to keep out")
     args = p.parse_args(argv)
-    missing = [str(s) for s in args.source if not s.exists()]
-    if missing:
-        p.error(f"no such source: {', '.join(missing)}")
+    exclude = checked_sources_and_exclude(p, args)
     if args.count < 1 or args.max_words < 20:
         p.error("--count must be >= 1 and --max-words >= 20")
-    exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
     chunks, skipped = collect_chunks(args.source, args.max_words, args.seed)
     if not chunks:
         p.error("no section or function in the sources")
