@@ -404,6 +404,23 @@ def test_acceptance_estimate_counts_answer_anchors_only():
     assert estimate.anchors == 3 * (24 - (D + 1) - 9)  # anchors 9 .. 19 of each
 
 
+def test_acceptance_estimate_skips_text_the_target_did_not_write():
+    """A held-out document (its tokens not the target's greedy choices) is skipped and counted; the
+    estimate over the target's own sequences is the same with or without it beside them."""
+    own = _copy_task(count=3, length=24, seed=3, sequence_seed=9)
+    gen = torch.Generator().manual_seed(5)
+    document = SequenceFeatures(
+        torch.randint(0, 50, (24,), generator=gen), own[0].taps, own[0].labels
+    )  # the copy task's labels beside other text: it keeps to them at about 1 in 50
+    model, _, vocab = _drafter()
+    alone = estimate_acceptance(model, own, vocab, k=4, bf16_autocast=False)
+    mixed = estimate_acceptance(model, [own[0], document, *own[1:]], vocab, k=4, bf16_autocast=False)
+    assert (mixed.sequences, mixed.not_target_written) == (3, 1)
+    assert mixed.anchors == alone.anchors and mixed.tau_chain == alone.tau_chain
+    assert "did not write skipped" in mixed.describe() and "skipped" not in alone.describe()
+    assert estimate_acceptance(model, [document], vocab, k=4, bf16_autocast=False) is None
+
+
 # --- soft labels -----------------------------------------------------------------------------------------
 
 
