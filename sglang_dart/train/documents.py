@@ -48,6 +48,8 @@ _CODE_QUESTIONS = [
 # reST: a title is a line followed by a line of one repeated punctuation character at least as long.
 _UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1{2,}\s*$")
 _DIRECTIVE = re.compile(r"^\s*\.\. [\w:-]+::.*$|^\s*\.\. _[^:]+:\s*$|^\s*\.\. \[\w+\]|^\s*:[\w-]+:.*$")
+# A shell prompt, or a hash or number opening the line: a listing's line, not a title.
+_CODE_LINE = re.compile(r"^(?:[$%>] |(?=[0-9a-f]*\d)[0-9a-f]{5,}\b|\d+$)")
 _ROLE = re.compile(r":[\w:]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
 
 
@@ -77,17 +79,37 @@ def plain_rst(text: str) -> str:
 
 
 def sections(text: str) -> list[tuple[str, str]]:
-    """(title, body) of every titled section of a reST or Markdown text; text before the first title
-    goes under the file's first non-empty line."""
+    """(title, body) of every titled section of a reST, AsciiDoc or Markdown text; text before the first
+    title goes under the file's first non-empty line.
+
+    A title stands at the file's start or after a blank line or an overline, never inside a fenced code
+    block, and neither looks like a command or its output nor ends in a colon: the last line of an
+    AsciiDoc listing above its closing `----`, or a `# comment` in a Markdown code fence, is body text."""
     lines = text.splitlines()
     found: list[tuple[str, list[str]]] = []
     title, body = "", []
+    fenced = False
     i = 0
     while i < len(lines):
         line = lines[i]
         nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        opens = i == 0 or not lines[i - 1].strip() or bool(_UNDERLINE.match(lines[i - 1]))
         heading = None
-        if line.strip() and _UNDERLINE.match(nxt) and len(nxt.strip()) >= len(line.strip()):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            body.append(line)
+            i += 1
+        elif fenced or not opens:
+            if not _UNDERLINE.match(line) or fenced:
+                body.append(line)
+            i += 1
+        elif (
+            line.strip()
+            and _UNDERLINE.match(nxt)
+            and len(nxt.strip()) >= len(line.strip())
+            and not _CODE_LINE.match(line.strip())
+            and not line.rstrip().endswith(":")  # a line that opens a listing below it
+        ):
             heading, i = line.strip(), i + 2
         elif line.startswith("#") and line.lstrip("#").startswith(" "):
             heading, i = line.lstrip("#").strip(), i + 1

@@ -56,6 +56,20 @@ def test_sections_follow_the_titles():
     assert [title for title, _ in markdown] == ["Intro", "Next"]
 
 
+def test_listing_lines_and_fenced_comments_are_not_titles():
+    asciidoc = (
+        f"Merging\n-------\n\nTo merge a branch: {WORDS}\n\n------------\n$ git merge work\n"
+        f"------------\n\nor, after a fetch:\n------------------\n$ git fetch\n$ git merge FETCH_HEAD\n"
+        f"------------------\n\n------------\n100644 5be4a4a M file.c\n------------\n"
+    )
+    found = sections(asciidoc)
+    assert [title for title, _ in found] == ["Merging"]
+    assert "$ git merge work" in found[0][1] and "$ git merge FETCH_HEAD" in found[0][1]
+    assert "100644 5be4a4a M file.c" in found[0][1]
+    markdown = sections(f"# Setup\n\nInstall it. {WORDS}\n\n```sh\n\n# fetch the wheel\npip install x\n```\n")
+    assert [title for title, _ in markdown] == ["Setup"] and "# fetch the wheel" in markdown[0][1]
+
+
 def test_chunks_end_at_paragraphs_and_skip_scraps():
     paragraphs = [" ".join([f"p{i}"] * 30) for i in range(5)]
     chunks = word_chunks("\n\n".join(paragraphs), max_words=70)
