@@ -16,6 +16,7 @@ from torch import nn
 
 from sglang_dart.train import trainer
 from sglang_dart.train.dflash_model import DFlashDrafter
+from sglang_dart.train.estimate import estimated_sequences, text_caveat
 from sglang_dart.train.features import SequenceFeatures
 from sglang_dart.train.trainer import RowStats, TrainSettings, fit, top1_hits
 from sglang_dart.train.trainer import bf16_autocast as autocast_on
@@ -141,12 +142,15 @@ class BlockEstimate:
     anchors: int
     top1_by_position: list[float]  # block positions 1..B-1
     tau: float  # mean tokens per verify step: 1 + leading correct drafts
+    not_target_written: int = 0  # held-out sequences skipped: text the target did not write
+    target_text_only: bool = True  # False: no held-out answer was the target's, all were read (a proxy)
 
     def describe(self) -> str:
         rows = " ".join(f"{a:.2f}" for a in self.top1_by_position)
+        caveat = text_caveat(self.not_target_written, self.target_text_only)
         return (
             f"held-out {self.sequences} sequences, {self.anchors} anchor blocks: top-1 by block position "
-            f"[{rows}]; estimated tau {self.tau:.2f} (tokens per verify step, greedy)"
+            f"[{rows}]; estimated tau {self.tau:.2f} (tokens per verify step, greedy){caveat}"
         )
 
 
@@ -163,11 +167,13 @@ def estimate_acceptance(
 ) -> BlockEstimate | None:
     """Greedy chain verification of each anchor block: accepted = leading block positions whose draft is the
     target's token, plus the target's own token. Only blocks whose every position has a label count (one cut
-    short by the sequence's end would count as a miss). None when no held-out sequence has such a block."""
+    short by the sequence's end would count as a miss), on the target's own answers where the slice has
+    any (`estimate.estimated_sequences`). None when no held-out sequence has such a block."""
     rng = random.Random(seed)
     device = model.fc.weight.device
     correct = torch.zeros(block - 1)
     anchors_seen, sequences, total = 0, 0, 0.0
+    data, skipped, own_text = estimated_sequences(data)
     model.eval()
     for feats in data:
         length = feats.input_ids.shape[0] - block + 2  # anchors s < length have labels up to s + block - 2
@@ -184,4 +190,6 @@ def estimate_acceptance(
         sequences += 1
     if not anchors_seen:
         return None
-    return BlockEstimate(sequences, anchors_seen, (correct / anchors_seen).tolist(), total / anchors_seen)
+    return BlockEstimate(
+        sequences, anchors_seen, (correct / anchors_seen).tolist(), total / anchors_seen, skipped, own_text
+    )

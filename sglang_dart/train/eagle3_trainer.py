@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sglang_dart.train.eagle3_model import Eagle3Drafter
-from sglang_dart.train.estimate import AcceptEstimate, _leading_hits
+from sglang_dart.train.estimate import AcceptEstimate, _leading_hits, estimated_sequences
 from sglang_dart.train.features import SequenceFeatures
 from sglang_dart.train.trainer import RowStats, TrainSettings, bucketed, fit, pad_rows, top1_hits
 from sglang_dart.train.trainer import bf16_autocast as autocast_on
@@ -134,7 +134,8 @@ def estimate_acceptance(
 ) -> AcceptEstimate | None:
     """Greedy chain acceptance on held-out sequences, every anchor a whose ttt_steps drafts all have a
     label: step j's guess at position a + j against the target's token there; tau = 1 + the leading
-    right guesses (the target's own token always comes along). None when no sequence is long enough."""
+    right guesses (the target's own token always comes along), on the target's own answers where the
+    slice has any (`estimate.estimated_sequences`). None when no sequence is long enough."""
     was_training = model.training
     model.eval()
     device = model.fc.weight.device
@@ -142,6 +143,7 @@ def estimate_acceptance(
     anchors = 0
     chain_total = bound_total = 0.0
     sequences = 0
+    data, skipped, own_text = estimated_sequences(data)
     try:
         for feats in data:
             win = window_of(feats, vocab, 0, window).to(device)
@@ -175,4 +177,6 @@ def estimate_acceptance(
         tau_chain=chain_total / anchors,
         tau_topk_bound=bound_total / anchors,
         k=k,
+        not_target_written=skipped,
+        target_text_only=own_text,
     )

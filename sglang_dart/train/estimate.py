@@ -8,10 +8,11 @@ bound on what a tree of k per depth could accept (the pruner keeps <= 60 of thos
 between the two). Both are means over the anchors of the held-out sequences' answers (a prompt's positions
 are never drafted when serving, and a chat template's fixed system prompt would flatter the figures).
 
-Only the target's own answers are counted. On text it did not write (documents, another model's answers) a
-row's label past the first departure from the target's greedy choice is the target's guess after text a
-served chain never holds, so its hits and misses say nothing about serving; such sequences are skipped
-and counted.
+Only the target's own answers are counted where the held-out slice has any. On text it did not write
+(documents, another model's answers) a row's label past the first departure from the target's greedy
+choice is the target's guess after text a served chain never holds, so its hits and misses say nothing
+about serving; such sequences are skipped and counted. A slice with none of the target's answers is read
+whole, as a proxy, and the estimate says so.
 """
 
 from __future__ import annotations
@@ -38,18 +39,14 @@ class AcceptEstimate:
     tau_topk_bound: float  # mean tokens per step if each depth offered its k best tokens
     k: int
     not_target_written: int = 0  # held-out sequences skipped: text the target did not write
+    target_text_only: bool = True  # False: no held-out answer was the target's, all were read (a proxy)
 
     def describe(self) -> str:
         rows = " ".join(f"{a:.2f}" for a in self.top1_by_row)
-        skipped = (
-            f" ({self.not_target_written} held-out sequences the target did not write skipped)"
-            if self.not_target_written
-            else ""
-        )
         return (
             f"held-out {self.sequences} sequences, {self.anchors} anchors: top-1 by row [{rows}]; "
             f"estimated tau {self.tau_chain:.2f} (top-1 chain), at most {self.tau_topk_bound:.2f} "
-            f"(top-{self.k} per depth){skipped}"
+            f"(top-{self.k} per depth){text_caveat(self.not_target_written, self.target_text_only)}"
         )
 
 
@@ -64,6 +61,21 @@ def target_written(feats: SequenceFeatures) -> bool:
     first = feats.first_anchor()
     follows = feats.input_ids[first + 1 :] == feats.labels[first : feats.input_ids.shape[0] - 1]
     return follows.numel() > 0 and float(follows.float().mean()) >= TARGET_WRITTEN_SHARE
+
+
+def estimated_sequences(data: list[SequenceFeatures]) -> tuple[list[SequenceFeatures], int, bool]:
+    """(the sequences an estimate reads, how many it skips, whether they are the target's text only): the
+    target's own answers where the slice has any, otherwise all of it."""
+    own = [f for f in data if target_written(f)]
+    if own:
+        return own, len(data) - len(own), True
+    return list(data), 0, False
+
+
+def text_caveat(skipped: int, target_text_only: bool) -> str:
+    if not target_text_only:
+        return " (no held-out answer is the target's own text: read as a proxy)"
+    return f" ({skipped} held-out sequences the target did not write skipped)" if skipped else ""
 
 
 def split_holdout(
@@ -95,7 +107,7 @@ def estimate_acceptance(
     bf16_autocast: bool = True,
     seed: int = 0,
 ) -> AcceptEstimate | None:
-    """None when no held-out sequence the target wrote has an anchor."""
+    """None when no held-out sequence has an anchor."""
     was_training = model.training
     model.eval()
     rng = random.Random(seed)
@@ -104,12 +116,10 @@ def estimate_acceptance(
     vocab = vocab.to(device)
     correct = torch.zeros(d + 1)
     counted = 0
-    chain_total, bound_total, sequences, skipped = 0.0, 0.0, 0, 0
+    chain_total, bound_total, sequences = 0.0, 0.0, 0
+    data, skipped, own_text = estimated_sequences(data)
     try:
         for feats in data:
-            if not target_written(feats):
-                skipped += 1
-                continue
             num_real = feats.input_ids.shape[0] - 1
             # Anchors whose d + 1 rows all have a label (the window ends inside the sequence): a run cut
             # short by the sequence's end would count as a miss.
@@ -145,4 +155,5 @@ def estimate_acceptance(
         tau_topk_bound=bound_total / counted,
         k=k,
         not_target_written=skipped,
+        target_text_only=own_text,
     )

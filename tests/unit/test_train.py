@@ -406,7 +406,8 @@ def test_acceptance_estimate_counts_answer_anchors_only():
 
 def test_acceptance_estimate_skips_text_the_target_did_not_write():
     """A held-out document (its tokens not the target's greedy choices) is skipped and counted; the
-    estimate over the target's own sequences is the same with or without it beside them."""
+    estimate over the target's own sequences is the same with or without it beside them. A slice of
+    documents alone is read whole, flagged as a proxy."""
     own = _copy_task(count=3, length=24, seed=3, sequence_seed=9)
     gen = torch.Generator().manual_seed(5)
     document = SequenceFeatures(
@@ -418,7 +419,10 @@ def test_acceptance_estimate_skips_text_the_target_did_not_write():
     assert (mixed.sequences, mixed.not_target_written) == (3, 1)
     assert mixed.anchors == alone.anchors and mixed.tau_chain == alone.tau_chain
     assert "did not write skipped" in mixed.describe() and "skipped" not in alone.describe()
-    assert estimate_acceptance(model, [document], vocab, k=4, bf16_autocast=False) is None
+    assert alone.target_text_only and mixed.target_text_only
+    # a slice of foreign text only is read whole, as a proxy, and says so
+    proxy = estimate_acceptance(model, [document], vocab, k=4, bf16_autocast=False)
+    assert proxy.sequences == 1 and not proxy.target_text_only and "as a proxy" in proxy.describe()
 
 
 # --- soft labels -----------------------------------------------------------------------------------------
