@@ -80,7 +80,7 @@ def plain_rst(text: str) -> str:
 
 def sections(text: str) -> list[tuple[str, str]]:
     """(title, body) of every titled section of a reST, AsciiDoc or Markdown text; text before the first
-    title goes under the file's first non-empty line.
+    title is dropped (with no title there is no question to ask about it).
 
     A title stands at the file's start or after a blank line or an overline, never inside a fenced code
     block, and neither looks like a command or its output nor ends in a colon: the last line of an
