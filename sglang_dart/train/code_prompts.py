@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import random
 import sys
 import textwrap
@@ -77,7 +78,7 @@ def collect_snippets(sources: list[Path]) -> tuple[list[Snippet], Counter]:
     snippets: list[Snippet] = []
     skipped: Counter = Counter()
     for source in sources:
-        files = [source] if source.is_file() else sorted(source.rglob("*.py"))
+        files = source_files(source, ".py")
         for path in files:
             try:
                 snippets += python_snippets(path, path.read_text(encoding="utf-8"))
@@ -120,6 +121,23 @@ def make_prompts(snippets: list[Snippet], count: int, seed: int, exclude: set[st
         codes_used.add(code)
         prompts.append(prompt)
     return prompts
+
+
+def source_files(source: Path, suffix: str | None = None) -> list[Path]:
+    """The source itself if it is a file, else every file under it (ending in `suffix` where given), in
+    sorted order. Linked folders are followed (a folder of links to the trees one wants is a common way to
+    pick them), each real folder once, so a link loop ends."""
+    if source.is_file():
+        return [source]
+    found, seen = [], set()
+    for folder, subfolders, names in os.walk(source, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        found += [Path(folder) / n for n in names if suffix is None or n.endswith(suffix)]
+    return sorted(p for p in found if p.is_file())
 
 
 def checked_sources_and_exclude(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_dart.train.code_prompts import checked_sources_and_exclude, collect_snippets
+from sglang_dart.train.code_prompts import checked_sources_and_exclude, collect_snippets, source_files
 
 TEXT_SUFFIXES = (".rst", ".txt", ".md")
 _QUESTIONS = [
@@ -171,8 +171,7 @@ def collect_chunks(sources: list[Path], max_words: int, seed: int) -> tuple[list
     skipped: Counter = Counter()
     python: list[Path] = []
     for source in sources:
-        files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
-        for path in files:
+        for path in source_files(source):
             if path.suffix == ".py":
                 python.append(path)
             elif path.suffix in TEXT_SUFFIXES:

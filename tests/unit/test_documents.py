@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_dart.train.code_prompts import source_files
 from sglang_dart.train.documents import collect_chunks, main, pick_rows, plain_rst, sections, word_chunks
 
 WORDS = " ".join(f"word{i}" for i in range(30))
@@ -126,3 +127,19 @@ def test_bad_sources_stop_with_a_clear_error(tmp_path, capsys, make, message):
     with pytest.raises(SystemExit):
         main(["--source", str(make(tmp_path)), "--out", str(tmp_path / "o.jsonl")])
     assert message in capsys.readouterr().err
+
+
+def test_linked_folders_are_followed_once(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "guide.md").write_text(f"# Guide\n\nRead this. {WORDS}\n")
+    body = "".join(f"    total += {i}\n" for i in range(8))
+    (tree / "pkg" / "mod.py").write_text(f"def add(total):\n{body}    return total\n")
+    picked = tmp_path / "picked"
+    picked.mkdir()
+    (picked / "tree").symlink_to(tree, target_is_directory=True)
+    (tree / "pkg" / "loop").symlink_to(picked, target_is_directory=True)  # a link back up: walked once
+    assert source_files(picked) == [picked / "tree" / "guide.md", picked / "tree" / "pkg" / "mod.py"]
+    assert source_files(picked, ".py") == [picked / "tree" / "pkg" / "mod.py"]
+    chunks, _ = collect_chunks([picked], 260, seed=0)
+    assert len(chunks) == 2
