@@ -12,15 +12,25 @@ from typing import Any
 JSONL_SUFFIXES = frozenset({".jsonl", ".json", ".ndjson"})
 
 
-def iter_jsonl(path: Path, gzipped: bool = False) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) for every non-blank line; ValueError naming the line on bad JSON.
-    `gzipped`: the file is gzip-compressed (a damaged one raises OSError or EOFError)."""
+def iter_jsonl_lines(
+    path: Path, gzipped: bool = False, errors: str = "replace"
+) -> Iterator[tuple[int, str, Any]]:
+    """(line number, the line as read, parsed value) for every non-blank line; ValueError naming the line
+    on bad JSON. `gzipped`: the file is gzip-compressed (a damaged one raises OSError or EOFError);
+    `errors`: how undecodable UTF-8 is read ("strict" raises UnicodeDecodeError, a ValueError)."""
     opener = gzip.open if gzipped else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    with opener(path, "rt", encoding="utf-8", errors=errors) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            yield lineno, line, value
+
+
+def iter_jsonl(path: Path, gzipped: bool = False) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for every non-blank line (`iter_jsonl_lines`)."""
+    for lineno, _, value in iter_jsonl_lines(path, gzipped):
+        yield lineno, value

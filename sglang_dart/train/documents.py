@@ -99,19 +99,19 @@ def sections(text: str) -> list[tuple[str, str]]:
             fenced = not fenced
             body.append(line)
             i += 1
-        elif fenced or not opens:
-            if not _UNDERLINE.match(line) or fenced:
-                body.append(line)
+        elif fenced:
+            body.append(line)
             i += 1
         elif (
-            line.strip()
+            opens
+            and line.strip()
             and _UNDERLINE.match(nxt)
             and len(nxt.strip()) >= len(line.strip())
             and not _CODE_LINE.match(line.strip())
             and not line.rstrip().endswith(":")  # a line that opens a listing below it
         ):
             heading, i = line.strip(), i + 2
-        elif line.startswith("#") and line.lstrip("#").startswith(" "):
+        elif opens and line.startswith("#") and line.lstrip("#").startswith(" "):
             heading, i = line.lstrip("#").strip(), i + 1
         elif _UNDERLINE.match(line):  # an overline above a title
             i += 1

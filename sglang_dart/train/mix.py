@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
-import json
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from sglang_dart.jsonl import iter_jsonl_lines
 
 
 @dataclass(frozen=True)
@@ -46,19 +46,10 @@ def parse_part(spec: str) -> Part:
 
 
 def row_lines(path: Path) -> list[str]:
-    """The file's non-blank lines, each ending in a newline; ValueError naming a line that is not JSON."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    lines = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            lines.append(line if line.endswith("\n") else line + "\n")
-    return lines
+    """The file's non-blank lines, each ending in a newline; ValueError naming a line that is not JSON or
+    not UTF-8 (rows are copied, so nothing is replaced)."""
+    rows = iter_jsonl_lines(path, gzipped=path.suffix == ".gz", errors="strict")
+    return [line if line.endswith("\n") else line + "\n" for _, line, _ in rows]
 
 
 def mixed_rows(parts: list[Part], seed: int) -> list[str]:

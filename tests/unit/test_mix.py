@@ -75,3 +75,10 @@ def test_bad_parts_stop_with_a_clear_error(files, capsys, part, message):
         main(["--out", str(files / "o.jsonl"), part.format(d=files)])
     assert message in capsys.readouterr().err
     assert not (files / "o.jsonl").exists()
+
+
+def test_undecodable_text_stops_rather_than_being_replaced(files, capsys):
+    (files / "latin1.jsonl").write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(SystemExit):
+        main(["--out", str(files / "o.jsonl"), str(files / "latin1.jsonl")])
+    assert "utf-8" in capsys.readouterr().err and not (files / "o.jsonl").exists()
