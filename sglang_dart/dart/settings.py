@@ -53,6 +53,7 @@ TREE_SIZES_ENV = "SGLANG_DART_TREE_SIZES"
 # token (run 31), as SGLang also turns it off for its own speculative workers on CPU.
 CPU_OVERLAP_ENV = "SGLANG_DART_CPU_OVERLAP"
 TREE_SIZES_KEY = "dart_tree_sizes"
+GUARDED_PREFIX = "guarded:"
 CONTEXT_NODES_ENV = "SGLANG_DART_CONTEXT_NODES"
 CONTEXT_NODES_KEY = "dart_context_nodes"
 # Measured on SmolLM2-135M with a drafter trained on 943 answers, 24 varied held-out prompts (acceptance.md,
@@ -138,12 +139,17 @@ def tree_size_schedule(server_args: Any, target_dtype: Any = None) -> TreeSizeSc
         # On a CPU the default is guarded: root-only steps wherever trees measure slower. On CUDA it stays
         # fixed, the one width SGLang captures verify graphs for (a root-only step would run eagerly).
         return GuardedTreeSizes(schedule) if server_args.device == "cpu" else schedule
-    if str(text).strip().lower() == AUTO:
+    text = str(text).strip()
+    if text.lower() == AUTO:
         return AdaptiveTreeSizes(largest)
+    # `guarded:1:8,4:4,8:4`: a schedule of one's own with the default's guard (root-only steps wherever
+    # its trees measure slower), e.g. to measure a candidate default as it would serve.
+    guarded = text.lower().startswith(GUARDED_PREFIX)
     try:
-        return TreeSizeSchedule.parse(str(text), largest)
+        schedule = TreeSizeSchedule.parse(text[len(GUARDED_PREFIX) :] if guarded else text, largest)
     except TreeSizesError as exc:
         raise DartArgsError(f"{TREE_SIZES_ENV} / {TREE_SIZES_KEY}: {exc}") from exc
+    return GuardedTreeSizes(schedule) if guarded else schedule
 
 
 def pruner_config(server_args: Any) -> PrunerConfig:

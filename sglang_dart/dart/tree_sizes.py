@@ -94,12 +94,17 @@ class TreeSizeSchedule:
 # tied with trees of 8 (1.73x). Runs 25-26 (the draft computes only the rows a tree can reach, answer lengths
 # 32-95): trees of 4 beat root-only steps at 32 in three runs (1.22x / 1.36x / 1.16x plain against 1.10x /
 # 1.16x / 0.98x) and at 64 (1.27x against 0.93x): trees of 4 from batch 8 on, with no root-only tail.
+# At batch 4 trees of 8 verify 32 rows, past the Rust tile's best range, and the guard flipped between them
+# and root-only steps; trees of 4 there ran 1.10x plain against 1.05x (run 80, unguarded) and, guarded,
+# 1.27x against 1.12x at 4 and 1.14x against 1.13x at 6 (run 81). At batches 2 and 3 too (16 and 24 rows):
+# trees of 4 ran 1.54x and 1.47x plain against trees of 8's 1.35x and 1.22x (run 82): the Rust bf16 tile
+# is at its best up to 8 rows, so trees of 8 at batch 1 and of 4 from batch 2 on.
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
 CPU_AMX = "cpu-amx"
 CPU_AVX512_BF16 = "cpu-avx512-bf16"
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:2,8:1", CPU_AMX: "1:16,4:8,8:4,32:1", CPU_AVX512_BF16: "1:8,8:4"}
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:2,8:1", CPU_AMX: "1:16,4:8,8:4,32:1", CPU_AVX512_BF16: "1:8,2:4"}
 
 
 def default_schedule_key(

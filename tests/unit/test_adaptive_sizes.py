@@ -20,7 +20,7 @@ from sglang_dart.dart.adaptive_sizes import (
     bucket_of,
     candidate_sizes,
 )
-from sglang_dart.dart.settings import tree_size_schedule
+from sglang_dart.dart.settings import DartArgsError, tree_size_schedule
 from sglang_dart.dart.tree_sizes import TreeSizeSchedule
 
 
@@ -305,6 +305,15 @@ def test_the_cpu_default_is_guarded_and_an_explicit_schedule_is_not(tmp_path, mo
     assert guarded.describe().endswith("guarded (root-only steps where trees measure slower)")
     monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "1:8,4:1")
     assert isinstance(tree_size_schedule(args), TreeSizeSchedule)
+    # A schedule of one's own takes the guard when asked to, and is checked like any other.
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", " Guarded:1:8,4:4,8:1")
+    own = tree_size_schedule(args)
+    assert isinstance(own, GuardedTreeSizes)
+    assert own.describe().startswith("1:8,4:4,8:1, guarded")
+    assert own.candidates(5) == (1, 4)
+    monkeypatch.setenv("SGLANG_DART_TREE_SIZES", "guarded:4:8")
+    with pytest.raises(DartArgsError, match="first min_batch must be 1"):
+        tree_size_schedule(args)
     monkeypatch.delenv("SGLANG_DART_TREE_SIZES")
     # CUDA keeps the fixed width its verify graphs are captured for.
     cuda = SimpleNamespace(**{**vars(args), "device": "cuda"})
