@@ -97,14 +97,17 @@ class TreeSizeSchedule:
 # At batch 4 trees of 8 verify 32 rows, past the Rust tile's best range, and the guard flipped between them
 # and root-only steps; trees of 4 there ran 1.10x plain against 1.05x (run 80, unguarded) and, guarded,
 # 1.27x against 1.12x at 4 and 1.14x against 1.13x at 6 (run 81). At batches 2 and 3 too (16 and 24 rows):
-# trees of 4 ran 1.54x and 1.47x plain against trees of 8's 1.35x and 1.22x (run 82): the Rust bf16 tile
-# is at its best up to 8 rows, so trees of 8 at batch 1 and of 4 from batch 2 on.
+# trees of 4 ran 1.54x and 1.47x plain against trees of 8's 1.35x and 1.22x (run 82). From batch 4 on,
+# trees of 2 beat trees of 4 (runs 83-85, batches held full: 1.17x / 1.01x / 0.95x / 1.03x plain at 4 / 16
+# / 32 / 64 against 1.09x / 0.97x / 0.88x / 0.85x): the Rust bf16 tile is at its best up to 8 rows, and a
+# verify of 8-ish rows per step is what pays at small batches. So trees of 8 at batch 1, of 4 at 2-3, of 2
+# from 4 on, guarded (runs 25-26's trees of 4 at 32-64 timed batches that shrank as requests finished).
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
 CPU_AMX = "cpu-amx"
 CPU_AVX512_BF16 = "cpu-avx512-bf16"
-DEFAULT_SCHEDULES = {"cpu": "1:8,4:2,8:1", CPU_AMX: "1:16,4:8,8:4,32:1", CPU_AVX512_BF16: "1:8,2:4"}
+DEFAULT_SCHEDULES = {"cpu": "1:8,4:2,8:1", CPU_AMX: "1:16,4:8,8:4,32:1", CPU_AVX512_BF16: "1:8,2:4,4:2"}
 
 
 def default_schedule_key(
