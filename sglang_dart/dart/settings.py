@@ -7,7 +7,7 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
   verifies; the tree shrinks as the batch grows (`tree_sizes.py`) by `SGLANG_DART_TREE_SIZES`, else the
   drafter config's `dart_tree_sizes`, else a default for the device (and on a CPU, for AMX or
   AVX512-BF16 with a bf16 target) (`fixed`: always N; `auto`: chosen from measured step times,
-  `adaptive_sizes.py`);
+  `adaptive_sizes.py`; `guarded:SCHEDULE`: that schedule with the CPU default's guard);
 - candidates per depth k: `--speculative-eagle-topk` (default 8). SGLang reserves KV per request and step
   for `num_steps × topk` tokens, while a DART step writes exactly N, so at start-up k moves to the
   environment variable `SGLANG_DART_TOPK` (inherited by the scheduler processes) and the flag becomes 1;
