@@ -95,10 +95,10 @@ def test_bf16_targets_on_avx512_bf16_cpus_without_amx_get_their_own_default():
     assert default_schedule_key("cpu", "torch.bfloat16", True, cpu_has_avx512_bf16=True) == CPU_AMX
     assert default_schedule_key("cpu", "torch.float32", False, cpu_has_avx512_bf16=True) == "cpu"
     assert default_schedule_key("cuda", "torch.bfloat16", False, cpu_has_avx512_bf16=True) == "cuda"
-    # Without AMX, trees of 8 pay at batch 1 only, of 4 at 2-3 and of 2 from 4 on, up to 64 (runs 81-85:
-    # a verify near 8 rows, where the Rust bf16 tile is at its best).
+    # Without AMX, trees of 8 pay at batch 1 only, of 4 at 2-3 and of 2 from 4 on (runs 81-85: a verify
+    # near 8 rows, where the Rust bf16 tile is at its best); root-only steps from 32 (runs 87-88).
     schedule = default_schedule(CPU_AVX512_BF16, max_size=16)
-    assert [schedule.size_for(bs) for bs in (1, 2, 3, 4, 16, 64)] == [8, 4, 4, 2, 2, 2]
+    assert [schedule.size_for(bs) for bs in (1, 2, 3, 4, 16, 31, 32, 64)] == [8, 4, 4, 2, 2, 2, 1, 1]
 
 
 def test_the_fast_dtype_is_bf16_only_where_bf16_products_are_native():
