@@ -103,8 +103,9 @@ class TreeSizeSchedule:
 # verify of 8-ish rows per step is what pays at small batches. So trees of 8 at batch 1, of 4 at 2-3, of 2
 # from 4 on, guarded (runs 25-26's trees of 4 at 32-64 timed batches that shrank as requests finished).
 # From 32 on the guard's mix of trees of 2 and root-only steps lost to root-only steps alone (runs 87-88:
-# 0.99x / 1.02x and 1.10x / 1.04x plain at 32 / 64 against 1.06x / 1.25x and 1.07x / 1.13x): its probes
-# and switches cost more there than the trees win, so root-only from 32, as on AMX.
+# 0.99x / 1.02x and 1.10x / 1.04x plain at 32 / 64 against 1.06x / 1.25x and 1.07x / 1.13x), and at 64
+# trees of 2 alone lose to the root alone (run 90: 0.92x against 1.00x; switching between the two costs
+# nothing measurable unless it happens every step), so root-only from 32, as on AMX.
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
 # request (SGLang's runner refuses other widths), so any other tree size would run without graphs; a
 # schedule there is the user's call until one is measured.
