@@ -102,8 +102,8 @@ class TreeSizeSchedule:
 # / 32 / 64 against 1.09x / 0.97x / 0.88x / 0.85x): the Rust bf16 tile is at its best up to 8 rows, and a
 # verify of 8-ish rows per step is what pays at small batches. So trees of 8 at batch 1, of 4 at 2-3, of 2
 # from 4 on, guarded (runs 25-26's trees of 4 at 32-64 timed batches that shrank as requests finished).
-# From 32 on the guard's mix of trees of 2 and root-only steps lost to root-only steps alone (runs 87-88:
-# 0.99x / 1.02x and 1.10x / 1.04x plain at 32 / 64 against 1.06x / 1.25x and 1.07x / 1.13x), and at 64
+# From 32 on the guard's mix of trees of 2 and root-only steps ran 0.99x / 1.02x and 1.10x / 1.04x plain at
+# 32 / 64 against root-only steps alone's 1.06x / 1.25x and 1.07x / 1.13x (runs 87-88), and at 64
 # trees of 2 alone lose to the root alone (run 90: 0.92x against 1.00x; switching between the two costs
 # nothing measurable unless it happens every step), so root-only from 32, as on AMX.
 # CUDA: fixed. A spec server captures its decode graphs for verify batches of exactly N tokens per
