@@ -161,6 +161,14 @@ def peer_configs(
     return configs
 
 
+def server_env(setting: str) -> dict[str, str]:
+    """One --server-env argument: NAME=VALUE pairs separated by spaces, all for the same copy."""
+    pairs = [pair.partition("=") for pair in setting.split()]
+    if not pairs or any(not variable or not sep for variable, sep, _ in pairs):
+        raise ValueError(f"--server-env {setting!r}: expected NAME=VALUE [NAME=VALUE ...]")
+    return {variable: value for variable, _, value in pairs}
+
+
 def _synchronous_already(extra: list[str], env: dict[str, str]) -> bool:
     """Whether a server runs without overlap scheduling as configured: DART on a CPU (`settings`), unless
     its environment sets SGLANG_DART_CPU_OVERLAP=1. A --sync copy of it would measure the same server."""
@@ -262,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         metavar="NAME=VALUE",
         help="each adds a copy of every server but NGRAM with that environment variable set, e.g. "
-        "SGLANG_DART_GEMM_SPIN_US=1000 (an A/B of a knob in one run)",
+        "SGLANG_DART_GEMM_SPIN_US=1000 (an A/B of a knob in one run); one argument may set several, "
+        "separated by spaces, for one copy",
     )
     args = parser.parse_args(argv)
     if args.dtype is None:
@@ -275,10 +284,10 @@ def main(argv: list[str] | None = None) -> None:
     spread = args.length_spread
     if not 0.0 <= spread < 1.0:
         parser.error(f"--length-spread {spread}: expected a value in [0, 1)")
-    settings = [setting.partition("=") for setting in args.server_env]
-    for setting, (variable, sep, _) in zip(args.server_env, settings, strict=True):
-        if not sep or not variable:
-            parser.error(f"--server-env {setting!r}: expected NAME=VALUE")
+    try:
+        settings = [server_env(setting) for setting in args.server_env]
+    except ValueError as err:
+        parser.error(str(err))
 
     prompts = SETS[args.prompts]
     model = args.model or smollm2_dir()
@@ -308,8 +317,9 @@ def main(argv: list[str] | None = None) -> None:
         env[GEMM_ENV] = first_gemm
         for form in other_gemms if name != "NGRAM" else []:
             configs[f"{name} [{form} gemm]"] = (extra, {**env, GEMM_ENV: form})
-        for variable, _, value in settings if name != "NGRAM" else []:
-            configs[f"{name} [{variable}={value}]"] = (extra, {**env, variable: value})
+        for setting in settings if name != "NGRAM" else []:
+            label = " ".join(f"{variable}={value}" for variable, value in setting.items())
+            configs[f"{name} [{label}]"] = (extra, {**env, **setting})
     if args.sync:
         for name, (extra, env) in list(configs.items()):
             if name != "NGRAM" and not _synchronous_already(extra, env):

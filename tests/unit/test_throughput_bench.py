@@ -8,6 +8,7 @@ from benchmarks.throughput import (
     eagle3_setting,
     output_lengths,
     peer_configs,
+    server_env,
 )
 from sglang_dart.dart.settings import CPU_OVERLAP_ENV
 from sglang_dart.server_process import dart_flags
@@ -23,6 +24,16 @@ def test_agreement_counts_requests_equal_to_the_reference_prompt_by_prompt():
     assert agreement(reference, runs) == (3, 4)
     assert agreement(reference, [_run((4, 5), (1, 2, 3))]) == (0, 2)  # swapped prompts do not count
     assert agreement(reference, []) == (0, 0)
+
+
+def test_server_env_takes_several_variables_for_one_copy():
+    assert server_env("SGLANG_DART_GEMM_SPIN_US=0") == {"SGLANG_DART_GEMM_SPIN_US": "0"}
+    both = server_env("SGLANG_DART_CPU_OVERLAP=1  SGLANG_DART_TREE_SIZES=1:8,4:2")
+    assert both == {"SGLANG_DART_CPU_OVERLAP": "1", "SGLANG_DART_TREE_SIZES": "1:8,4:2"}
+    assert server_env("A=") == {"A": ""}
+    for bad in ["", "A", "A=1 B", "=1"]:
+        with pytest.raises(ValueError, match="expected NAME=VALUE"):
+            server_env(bad)
 
 
 def test_fixed_lengths_without_spread():
