@@ -210,10 +210,22 @@ class SglangServer(SglangClient):
             self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
         )
         log.close()
+        try:
+            ready = self._wait_until_ready(timeout)
+        except BaseException:
+            # Interrupted while starting (Ctrl-C, SIGTERM turned into SystemExit) or failed: the caller
+            # holds no started server to stop, so a half-started one would outlive it with its memory.
+            self.stop()
+            raise
+        if not ready:
+            self.stop()
+        return ready
+
+    def _wait_until_ready(self, timeout: float) -> bool:
+        """True once healthy; False if the port was taken; raises on any other failure."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if any(sign in self._log_end().lower() for sign in _PORT_TAKEN):
-                self.stop()
                 return False
             if self.proc.poll() is not None:
                 raise ServerFailed(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
@@ -223,7 +235,6 @@ class SglangServer(SglangClient):
             except requests.RequestException:
                 pass
             time.sleep(1.0)
-        self.stop()
         raise ServerFailed(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
     def _log_end(self, size: int = 16384) -> str:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import socket
+import sys
 
+import pytest
+
+from sglang_dart import server_process
 from sglang_dart.server_process import SglangServer, _ephemeral_port_range, free_port
 
 
@@ -26,3 +30,24 @@ def test_server_command_names_its_own_rendezvous_port(tmp_path):
 def test_a_rendezvous_port_the_caller_gives_is_kept(tmp_path):
     server = SglangServer("model", ["--nccl-port", "29999"], tmp_path / "log", device_args=[])
     assert server.command().count("--nccl-port") == 1
+
+
+class _SleepingServer(SglangServer):
+    """A launch that never becomes healthy: a real child process in its own session."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def test_a_start_interrupted_stops_the_half_started_server(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM made SystemExit) while a server starts: no server is handed back for the caller
+    to stop, so the half-started one must not outlive the program."""
+    server = _SleepingServer("model", [], tmp_path / "log", device_args=[])
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server_process.requests, "get", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start(timeout=60)
+    assert server.proc is not None and server.proc.poll() is not None
