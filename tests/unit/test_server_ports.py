@@ -1,4 +1,5 @@
-"""The ports test servers get: free, and outside the range outgoing connections draw local ports from."""
+"""The ports test servers get (free, and outside the range outgoing connections draw local ports from), and
+what an interrupted start leaves behind."""
 
 from __future__ import annotations
 
