@@ -23,9 +23,13 @@ leaves the variable unset, so the server uses its per-device default). --eagle3 
 own EAGLE3 / DFLASH workers with those drafters (`python -m sglang_dart.train --format eagle3|dflash`), one
 server per setting; `benchmarks/peers.py` runs all five side by side.
 
-A shared VM drifts by tens of percent within minutes, so the plain and DART servers all stay up (idle ones
-sleep) and each batch size measures them in turn, --repeats times; the table gives the median. NGRAM
-learns from every answer it serves, so it gets a fresh server per batch size and one measurement.
+A shared VM drifts by tens of percent within minutes (one server measured 355, 236 and 277 tok/s in three
+rounds two minutes apart, throughput run 103), so the plain and DART servers all stay up (idle ones sleep)
+and each batch size measures them in turn, --repeats times, every other round in reverse order (a drift
+that runs through two rounds then weighs on every server alike). Tokens/s and CPU time are the medians of
+the rounds; a ratio to plain is the median of the rounds' own ratios (a round's two measurements lie
+minutes apart, two medians may not), and the rounds' ratios follow the table, to show their spread.
+NGRAM learns from every answer it serves, so it gets a fresh server per batch size and one measurement.
 """
 
 from __future__ import annotations
@@ -125,6 +129,22 @@ def agreement(reference: Measurement, runs: list[Measurement]) -> tuple[int, int
     """How many of the runs' requests produced exactly the reference run's output (same prompt)."""
     same = sum(out == ref for run in runs for out, ref in zip(run.outputs, reference.outputs, strict=True))
     return same, sum(len(run.outputs) for run in runs)
+
+
+def round_order(names: list[str], repeat: int) -> list[str]:
+    """The order servers are measured in a round: as given, every other round reversed, so that a drift
+    running through two rounds slows every server alike instead of always the last ones."""
+    return list(names) if repeat % 2 == 0 else list(reversed(names))
+
+
+def round_ratios(runs: list[Measurement], baseline: list[Measurement], field: str) -> list[float]:
+    """Each round's ratio of `field` in `runs` to the baseline's in the same round. A server measured
+    once (NGRAM) is compared with the baseline's median."""
+    values = [getattr(m, field) for m in runs]
+    base = [getattr(m, field) for m in baseline]
+    if len(values) != len(base):
+        base = [statistics.median(base)] * len(values)
+    return [v / b for v, b in zip(values, base, strict=True)]
 
 
 def eagle3_setting(text: str) -> tuple[int, int, int]:
@@ -340,8 +360,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in steady:
             servers[name] = serve(name, "all")
         for bs in args.batch_sizes:
-            for _ in range(args.repeats):
-                for name in steady:
+            for repeat in range(args.repeats):
+                for name in round_order(steady, repeat):
                     runs[name].setdefault(bs, []).append(
                         _measure(
                             servers[name], tokenizer, bs, args.new_tokens, args.requests, spread, prompts
@@ -388,16 +408,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("| batch size | " + " | ".join(columns) + " |")
     print("|---" * (1 + len(columns)) + "|")
+    speed = {n: {bs: round_ratios(runs[n][bs], runs["plain"][bs], "tokens_per_second")
+                 for bs in args.batch_sizes} for n in others}  # fmt: skip
+    cost = {n: {bs: round_ratios(runs[n][bs], runs["plain"][bs], "cpu_ms_per_token")
+                for bs in args.batch_sizes} for n in others}  # fmt: skip
     for bs in args.batch_sizes:
-        base = results["plain"][bs]
         cells = (
             [f"{results[n][bs].tokens_per_second:.1f}" for n in results]
-            + [f"{results[n][bs].tokens_per_second / base.tokens_per_second:.2f}x" for n in others]
+            + [f"{statistics.median(speed[n][bs]):.2f}x" for n in others]
             + [f"{results[n][bs].tokens_per_step:.2f}" for n in others]
             + [f"{results[n][bs].cpu_ms_per_token:.1f}" for n in results]
-            + [f"{base.cpu_ms_per_token / results[n][bs].cpu_ms_per_token:.2f}x" for n in others]
+            + [f"{statistics.median(1 / r for r in cost[n][bs]):.2f}x" for n in others]
         )
         print(f"| {bs} | " + " | ".join(cells) + " |")
+    if others:
+        print("\nEach round's tokens/s ratio to plain, round by round:\n")
+        for bs in args.batch_sizes:
+            rounds = "; ".join(f"{n} " + " ".join(f"{r:.2f}" for r in speed[n][bs]) for n in others)
+            print(f"- batch {bs}: {rounds}")
 
     if args.png:
         from plot import throughput_png

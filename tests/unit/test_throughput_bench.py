@@ -8,6 +8,8 @@ from benchmarks.throughput import (
     eagle3_setting,
     output_lengths,
     peer_configs,
+    round_order,
+    round_ratios,
     server_env,
 )
 from sglang_dart.dart.settings import CPU_OVERLAP_ENV
@@ -24,6 +26,24 @@ def test_agreement_counts_requests_equal_to_the_reference_prompt_by_prompt():
     assert agreement(reference, runs) == (3, 4)
     assert agreement(reference, [_run((4, 5), (1, 2, 3))]) == (0, 2)  # swapped prompts do not count
     assert agreement(reference, []) == (0, 0)
+
+
+def test_every_other_round_measures_the_servers_in_reverse():
+    names = ["plain", "DART", "DART [twin]"]
+    assert round_order(names, 0) == names
+    assert round_order(names, 1) == ["DART [twin]", "DART", "plain"]
+    assert round_order(names, 2) == names
+    assert names == ["plain", "DART", "DART [twin]"]  # the caller's list is left alone
+
+
+def test_ratios_pair_each_round_with_the_baselines_same_round():
+    plain = [Measurement(100.0, 1.0, 20.0), Measurement(50.0, 1.0, 40.0), Measurement(80.0, 1.0, 25.0)]
+    dart = [Measurement(120.0, 2.0, 17.0), Measurement(60.0, 2.0, 34.0), Measurement(100.0, 2.0, 20.0)]
+    # A machine twice as slow in round 2 moves both servers: each round's ratio stays near 1.2.
+    assert round_ratios(dart, plain, "tokens_per_second") == pytest.approx([1.2, 1.2, 1.25])
+    assert round_ratios(dart, plain, "cpu_ms_per_token") == pytest.approx([0.85, 0.85, 0.8])
+    # Measured once (NGRAM, a fresh server per batch size): against the baseline's median.
+    assert round_ratios([Measurement(160.0, 1.5, 10.0)], plain, "tokens_per_second") == [2.0]
 
 
 def test_server_env_takes_several_variables_for_one_copy():
