@@ -30,9 +30,9 @@ root alone's rate excepted: it costs over 1.4 root-only steps, and the regular p
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from sglang_dart.dart.tree_sizes import TreeSizeSchedule
+from sglang_dart.dart.tree_sizes import PlannedSize, TreeSizeSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,6 @@ class _Bucket:
     stats: dict[int, _SizeStats]  # by candidate size, ascending
     steps: int = 0
     probes: int = 0  # how many probes so far: picks the next one in turn
-    probing: set[int] = field(default_factory=set)  # sizes probed and not yet recorded
     chosen: int | None = None  # the size in use (logged when it changes); None during the warm-up
 
 
@@ -151,12 +150,18 @@ class AdaptiveTreeSizes:
 
     def size_for(self, batch_size: int) -> int:
         """The size the next step of a batch this large should verify (one call per step: it counts)."""
+        return self.plan(batch_size).size
+
+    def plan(self, batch_size: int) -> PlannedSize:
+        """`size_for`, and whether that step is a probe. The flag travels with the step to `record`, so a
+        planned probe that never ran (a prefill came between, or the step fell back to the root alone)
+        leaves nothing behind."""
         bucket = self._bucket(batch_size)
         bucket.steps += 1
         # Largest first: it shows at once whether trees pay here at all.
         for size in reversed(bucket.stats):
             if bucket.stats[size].samples < self.warmup:
-                return size
+                return PlannedSize(size)
         best = self.best(batch_size)
         if best != bucket.chosen:
             bucket.chosen = best
@@ -175,17 +180,15 @@ class AdaptiveTreeSizes:
         if unsettled and bucket.steps % SETTLE_EVERY == 0:
             probe = unsettled[bucket.probes % len(unsettled)]
             bucket.probes += 1
-            bucket.probing.add(probe)
-            return probe
+            return PlannedSize(probe, probe=True)
         if bucket.steps % self.explore_every:
-            return best
+            return PlannedSize(best)
         probes = self._probes(best, tuple(bucket.stats))
         if not probes:  # a single candidate size
-            return best
+            return PlannedSize(best)
         probe = probes[bucket.probes % len(probes)]
         bucket.probes += 1
-        bucket.probing.add(probe)
-        return probe
+        return PlannedSize(probe, probe=True)
 
     @staticmethod
     def _probes(best: int, sizes: tuple[int, ...]) -> list[int]:
@@ -195,15 +198,13 @@ class AdaptiveTreeSizes:
         around = {sizes[i] for i in (index - 1, index + 1) if 0 <= i < len(sizes)}
         return sorted((around | {1}) - {best})
 
-    def record(self, batch_size: int, size: int, seconds: float, tokens: int) -> None:
-        """One finished step: its batch size, the size it verified, its wall time and tokens emitted."""
-        bucket = self._bucket(batch_size)
-        stats = bucket.stats.get(size)
+    def record(self, batch_size: int, size: int, seconds: float, tokens: int, probe: bool = False) -> None:
+        """One finished step: its batch size, the size it verified, its wall time and tokens emitted, and
+        whether it ran as a probe (`plan`)."""
+        stats = self._bucket(batch_size).stats.get(size)
         if stats is None or seconds <= 0:
             return
-        probed = size in bucket.probing
-        bucket.probing.discard(size)
-        weight = PROBE_WEIGHT if probed else self.smoothing
+        weight = PROBE_WEIGHT if probe else self.smoothing
         # Per request: a bucket spans batch sizes up to 2x apart (a batch drains as its answers finish),
         # and tokens per step scale with the batch while their average spans ~100 steps and the time's ~5.
         # Raw, the two averages described different batches and a size in use looked up to 1.5x faster
@@ -258,6 +259,7 @@ class _OpenStep:
     started: float
     drafting: float  # seconds its end spent drafting for the next step
     carried: float  # seconds the step before spent drafting for this one
+    probe: bool  # run as a probe (`AdaptiveTreeSizes.plan`)
 
 
 class StepClock:
@@ -269,18 +271,26 @@ class StepClock:
         self._open: _OpenStep | None = None
         self._carried = 0.0
 
-    def start(self, now: float) -> tuple[int, int, float, int] | None:
-        """A decode step starts: the previous one, if it ran just before, as (batch size, size, seconds,
-        tokens)."""
+    def start(self, now: float) -> tuple[int, int, float, int, bool] | None:
+        """A decode step starts: the previous one, if it ran just before, as `record`'s arguments
+        (batch size, size, seconds, tokens, probe)."""
         step, self._open = self._open, None
         if step is None:
             return None
         self._carried = step.drafting
         seconds = now - step.started - step.drafting + step.carried
-        return step.batch_size, step.size, seconds, step.tokens
+        return step.batch_size, step.size, seconds, step.tokens, step.probe
 
-    def finish(self, started: float, batch_size: int, size: int, tokens: int, drafting: float) -> None:
-        self._open = _OpenStep(batch_size, size, tokens, started, drafting, self._carried)
+    def finish(
+        self,
+        started: float,
+        batch_size: int,
+        size: int,
+        tokens: int,
+        drafting: float,
+        probe: bool = False,
+    ) -> None:
+        self._open = _OpenStep(batch_size, size, tokens, started, drafting, self._carried, probe)
         self._carried = 0.0
 
     def interrupt(self) -> None:

@@ -14,8 +14,17 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import NamedTuple
 
 FIXED = "fixed"
+
+
+class PlannedSize(NamedTuple):
+    """A step's tree size as its schedule planned it, and whether the step is a probe: a step run to
+    re-measure a size not in use, whose time an adaptive schedule weighs in full (`record`)."""
+
+    size: int
+    probe: bool = False
 
 
 class TreeSizesError(ValueError):
@@ -60,6 +69,10 @@ class TreeSizeSchedule:
     def size_for(self, batch_size: int) -> int:
         return self.sizes[bisect.bisect_right(self.min_batches, max(batch_size, 1)) - 1]
 
+    def plan(self, batch_size: int) -> PlannedSize:
+        """The next step's size (a fixed schedule never probes)."""
+        return PlannedSize(self.size_for(batch_size))
+
     def possible_sizes(self, batch_size: int) -> tuple[int, ...]:
         """Every size a step of this batch size may verify (no side effect, unlike an adaptive size_for)."""
         return (self.size_for(batch_size),)
@@ -68,7 +81,7 @@ class TreeSizeSchedule:
     def max_size(self) -> int:
         return max(self.sizes)
 
-    def record(self, batch_size: int, size: int, seconds: float, tokens: int) -> None:
+    def record(self, batch_size: int, size: int, seconds: float, tokens: int, probe: bool = False) -> None:
         """A fixed schedule learns nothing from step times (the adaptive one does)."""
 
     def describe(self) -> str:

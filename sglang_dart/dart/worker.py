@@ -74,6 +74,7 @@ from sglang_dart.dart.settings import (
     refuse_larger_store_vocabulary,
     tree_size_schedule,
 )
+from sglang_dart.dart.tree_sizes import PlannedSize
 from sglang_dart.dart.trees import Trees
 from sglang_dart.drafter import DraftConfig
 from sglang_dart.drafter.sglang_model import LlamaForCausalLMDart
@@ -137,7 +138,8 @@ class DartWorker(NGRAMWorker):
         self.tree_sizes = tree_size_schedule(server_args, self.model_runner.dtype)
         logger.info("DART tree size by batch size: %s", self.tree_sizes.describe())
         self.step_clock = StepClock()  # step times for an adaptive schedule
-        self._planned_size: int | None = None  # chosen when the step before drafted (or did not)
+        self._planned: PlannedSize | None = None  # chosen when the step before drafted (or did not)
+        self._step_probe = False  # whether the running step is a probe its schedule planned
         chain_nodes = context_nodes(server_args)
         # the requests' tokens as the worker left them (overlap lags), and their context index
         self.progress = RequestProgress(index_context=chain_nodes > 0)
@@ -157,7 +159,7 @@ class DartWorker(NGRAMWorker):
         self.drafting: Drafting | None = None  # once SGLang has allocated the pools
         self.checks = os.environ.get(CHECKS_ENV) == "1"
         self._draft_graphs = draft_graphs_choice()  # checked at start-up, used once graphs are set up
-        self._unsettled: tuple[UnsettledStep, float, int] | None = None  # see `_settle`
+        self._unsettled: tuple[UnsettledStep, float, int, bool] | None = None  # see `_settle`
         self._step_kind = "prefill"  # what the last step was, for the host-read budget
 
     def _check_store(self, tokenizer: Any, vocab: int) -> None:
@@ -310,10 +312,12 @@ class DartWorker(NGRAMWorker):
 
     def _step_size(self, batch: Any) -> int:
         """This step's tree size: the schedule's for the batch size (or the size the step before planned),
-        or 1 when some request has no current candidates."""
-        return self.trees.size_for_step(
-            batch, self._planned_size or self.tree_sizes.size_for(len(batch.reqs))
-        )
+        or 1 when some request has no current candidates. The step is a probe only if it runs the size
+        its schedule planned as one."""
+        planned = self._planned or self.tree_sizes.plan(len(batch.reqs))
+        size = self.trees.size_for_step(batch, planned.size)
+        self._step_probe = planned.probe and size == planned.size
+        return size
 
     def _prepare_for_speculative_decoding(self, batch: Any, size: int | None = None) -> None:
         if batch.forward_mode.is_decode():
@@ -325,9 +329,10 @@ class DartWorker(NGRAMWorker):
         """The drafting phase after a verify: the next step's size is chosen now, and a root-only step
         needs no draft forward (a tree of N nodes past its root is at most N deep). The step's results and
         candidates reach the host at the next step's start (`_settle`)."""
-        self._planned_size = self.tree_sizes.size_for(len(batch.reqs))
-        depths = self._planned_size - 1 if self._planned_size > 1 else None
-        self._unsettled = (self.drafting.after_verify(batch, taps, step, depths), started, size)
+        self._planned = self.tree_sizes.plan(len(batch.reqs))
+        depths = self._planned.size - 1 if self._planned.size > 1 else None
+        drafted = self.drafting.after_verify(batch, taps, step, depths)
+        self._unsettled = (drafted, started, size, self._step_probe)
 
     def _settle(self) -> None:
         """The last decode step's one read: its results and candidates on the host, and the host's state
@@ -336,10 +341,10 @@ class DartWorker(NGRAMWorker):
         as it does for plain decoding; nothing between two steps reads DART's host state."""
         if self._unsettled is None:
             return
-        step, started, size = self._unsettled
+        step, started, size, probe = self._unsettled
         self._unsettled = None
         host = self.drafting.settle(step)
-        self.step_clock.finish(started, len(step.rows), size, sum(host.lens), step.drafting_seconds)
+        self.step_clock.finish(started, len(step.rows), size, sum(host.lens), step.drafting_seconds, probe)
 
     def _verify_trees(
         self, batch: Any, logits_output: Any, verify_input: Any, size: int
@@ -431,7 +436,7 @@ class DartWorker(NGRAMWorker):
             self._step_kind = "prefill"
             self.step_clock.interrupt()
             self.timer.interrupt()
-            self._planned_size = None
+            self._planned = None
         if batch.forward_mode.is_target_verify():
             self._step_kind = "verify"
             size = batch.spec_info.draft_token_num

@@ -25,12 +25,12 @@ from sglang_dart.dart.tree_sizes import TreeSizeSchedule
 
 
 def _run(chooser: AdaptiveTreeSizes, batch_size: int, steps: int, seconds, tokens) -> Counter:
-    """Drive the chooser as the worker does: pick, run (cost model), record. Returns the sizes picked."""
+    """Drive the chooser as the worker does: plan, run (cost model), record. Returns the sizes picked."""
     picked: Counter = Counter()
     for _ in range(steps):
-        size = chooser.size_for(batch_size)
+        size, probe = chooser.plan(batch_size)
         picked[size] += 1
-        chooser.record(batch_size, size, seconds(batch_size, size), tokens(batch_size, size))
+        chooser.record(batch_size, size, seconds(batch_size, size), tokens(batch_size, size), probe)
     return picked
 
 
@@ -162,12 +162,29 @@ def test_step_clock_moves_the_draft_forward_to_the_step_it_prepares():
     clock = StepClock()
     assert clock.start(0.0) is None
     clock.finish(0.0, batch_size=1, size=1, tokens=1, drafting=0.3)  # root-only step that drafts for a tree
-    assert clock.start(1.0) == (1, 1, pytest.approx(0.7), 1)  # 1.0 s wall, 0.3 s of it for the next step
-    clock.finish(1.0, batch_size=1, size=8, tokens=3, drafting=0.0)
-    assert clock.start(3.0) == (1, 8, pytest.approx(2.3), 3)  # its own 2 s and the 0.3 s drafted for it
+    assert clock.start(1.0) == (1, 1, pytest.approx(0.7), 1, False)  # 1.0 s wall, 0.3 s for the next step
+    clock.finish(1.0, batch_size=1, size=8, tokens=3, drafting=0.0, probe=True)
+    assert clock.start(3.0) == (1, 8, pytest.approx(2.3), 3, True)  # its own 2 s and the 0.3 s drafted for it
     clock.finish(3.0, batch_size=1, size=1, tokens=1, drafting=0.0)
     clock.interrupt()  # a prefill ran in between: that interval is not a decode step's
     assert clock.start(9.0) is None
+
+
+def test_a_planned_probe_that_never_ran_leaves_nothing_behind():
+    """A probe is planned when the step before drafts; a prefill may come between, or the step may fall
+    back to the root alone. The size's next regular step must then count as one (weight 0.2), not replace
+    its estimate as a probe's would: the flag travels with the step, not with the schedule."""
+    chooser = GuardedTreeSizes(TreeSizeSchedule.parse("1:8", 8))
+    _run(chooser, 1, 200, lambda bs, size: 0.05 * (1.2 if size > 1 else 1.0), _accepts)
+    assert chooser.best(1) == 8
+    while not (planned := chooser.plan(1)).probe:
+        chooser.record(1, planned.size, 0.06, _accepts(1, planned.size))
+    assert planned.size == 1  # a probe of the root alone, dropped here: it never runs
+    before = chooser._bucket(1).stats[1].seconds
+    chooser.record(1, 1, 10 * before, 1.0)  # the root alone's next step, regular and slow
+    assert chooser._bucket(1).stats[1].seconds == pytest.approx(before + 0.2 * 9 * before)
+    chooser.record(1, 1, before, 1.0, probe=True)  # a probe that ran replaces the estimate
+    assert chooser._bucket(1).stats[1].seconds == pytest.approx(before)
 
 
 def test_auto_is_read_from_the_environment(tmp_path, monkeypatch):
