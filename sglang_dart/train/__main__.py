@@ -33,6 +33,10 @@ from sglang_dart.train.stop_signal import stop_requested
 from sglang_dart.train.trainer import bf16_autocast_pays, train
 from sglang_dart.train.vocab import grown_vocab, most_frequent_vocab, vocab_from_d2t
 
+# Padded tokens per feature forward on an accelerator: SmolLM2-135M's bf16 logits of 16k positions take
+# 1.6 GB, the taps beside them a tenth of that.
+ACCELERATOR_FEATURE_BATCH_TOKENS = 16384
+
 
 def read_sequences(path: Path, tokenizer, max_len: int) -> conversations.Sequences:
     """The data file's sequences (any format of `conversations.py`) and where their answers start; a bad
@@ -158,6 +162,14 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="directory keeping the target's features between runs (any format reads them)",
     )
+    p.add_argument(
+        "--feature-batch-tokens",
+        type=int,
+        default=None,
+        help="compute the target's features in length-sorted batches of at most this many padded tokens "
+        f"(default: {ACCELERATOR_FEATURE_BATCH_TOKENS} on a GPU, which one sequence a forward leaves "
+        "idle; 0, one sequence a forward, on a CPU)",
+    )
     for name in PEER_FORMATS:
         peer_format(name).add_arguments(p.add_argument_group(f"--format {name}"))
     return p
@@ -193,6 +205,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"--anchors is a count of anchor blocks per sequence, at least 1, not {args.anchors}"
         )
+    if args.feature_batch_tokens is not None and args.feature_batch_tokens < 0:
+        raise SystemExit(
+            f"--feature-batch-tokens is a count of padded tokens (0: one sequence a forward), "
+            f"not {args.feature_batch_tokens}"
+        )
     if args.feature_noise and args.format != "dart":
         raise SystemExit(f"--feature-noise applies to DART's training only, not to --format {args.format}")
     if args.greedy_chains_only and args.format != "dart":
@@ -223,8 +240,16 @@ def main(argv: list[str] | None = None) -> None:
     cache = None
     if args.feature_cache is not None:
         cache = FeatureCache(args.feature_cache, args.target, target.dtype, target.config.num_hidden_layers)
+    batch_tokens = args.feature_batch_tokens
+    if batch_tokens is None:
+        batch_tokens = ACCELERATOR_FEATURE_BATCH_TOKENS if device.type != "cpu" else 0
     every = collect_features(
-        target, sequences, soft_labels=soft_labels, cache=cache, answer_starts=data.answer_starts
+        target,
+        sequences,
+        soft_labels=soft_labels,
+        cache=cache,
+        answer_starts=data.answer_starts,
+        batch_tokens=batch_tokens,
     )
     feats, held_out = split_holdout(every, args.holdout, args.seed)
     print(

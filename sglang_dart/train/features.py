@@ -85,6 +85,54 @@ def sequence_features(target, input_ids: list[int], soft_labels: int = 0) -> Seq
     )
 
 
+@torch.inference_mode()
+def batch_features(target, sequences: list[list[int]], soft_labels: int = 0) -> list[SequenceFeatures]:
+    """`sequence_features` of several sequences from one forward (an accelerator's way: one sequence at a
+    time leaves it idle between kernel launches). They are right-padded: under causal attention a real
+    position only sees positions before it, all of its own sequence, so its taps and label are what its
+    sequence alone gives, up to the rounding of differently shaped products."""
+    longest = max(len(ids) for ids in sequences)
+    ids = torch.zeros((len(sequences), longest), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    out = target(input_ids=ids.to(target.device), output_hidden_states=True, use_cache=False)
+    layers = tap_layers(target.config.num_hidden_layers)
+    taps = torch.cat([out.hidden_states[i] for i in layers], dim=-1).to(torch.bfloat16).cpu()
+    labels = out.logits.argmax(-1).cpu()
+    soft_ids = soft_probs = None
+    if soft_labels > 0:
+        top = torch.softmax(out.logits.float(), dim=-1).topk(min(soft_labels, out.logits.shape[-1]), dim=-1)
+        soft_ids, soft_probs = top.indices.to(torch.int32).cpu(), top.values.to(torch.bfloat16).cpu()
+    feats = []
+    for row, seq in enumerate(sequences):
+        n = len(seq)
+        feats.append(
+            SequenceFeatures(
+                ids[row, :n].clone(),
+                taps[row, :n].clone(),
+                labels[row, :n].clone(),
+                None if soft_ids is None else soft_ids[row, :n].clone(),
+                None if soft_probs is None else soft_probs[row, :n].clone(),
+            )
+        )
+    return feats
+
+
+def _length_batches(indices: list[int], sequences: list[list[int]], batch_tokens: int) -> list[list[int]]:
+    """`indices` grouped for `batch_features`: by length, so that little is padding, each group's padded
+    size (rows x longest) within `batch_tokens`; 0 gives one sequence a group, in the order given."""
+    if batch_tokens <= 0:
+        return [[i] for i in indices]
+    groups: list[list[int]] = []
+    for i in sorted(indices, key=lambda i: len(sequences[i])):
+        group = groups[-1] if groups else None
+        if group is None or (len(group) + 1) * len(sequences[i]) > batch_tokens:
+            groups.append([i])
+        else:
+            group.append(i)
+    return groups
+
+
 def collect_features(
     target,
     sequences: list[list[int]],
@@ -92,23 +140,35 @@ def collect_features(
     soft_labels: int = 0,
     cache: FeatureCache | None = None,
     answer_starts: list[int] | None = None,
+    batch_tokens: int = 0,
 ) -> list[SequenceFeatures]:
     """Every sequence's features, read from `cache` where it has them (and written to it where not), each
-    with its `answer_starts` entry (0, every position, where none is given)."""
-    feats = []
+    with its `answer_starts` entry (0, every position, where none is given). `batch_tokens` > 0 computes
+    the missing ones in length-sorted batches of at most that many padded tokens (`batch_features`)."""
     starts = answer_starts if answer_starts is not None else [0] * len(sequences)
     if len(starts) != len(sequences):
         raise ValueError(f"{len(starts)} answer starts for {len(sequences)} sequences")
+    feats: list[SequenceFeatures | None] = [None] * len(sequences)
+    missing = []
     for i, ids in enumerate(sequences):
-        cached = None if cache is None else cache.get(ids, soft_labels)
-        if cached is None:
-            cached = sequence_features(target, ids, soft_labels)
+        feats[i] = None if cache is None else cache.get(ids, soft_labels)
+        if feats[i] is None:
+            missing.append(i)
+    done = len(sequences) - len(missing)
+    for group in _length_batches(missing, sequences, batch_tokens):
+        if len(group) == 1:
+            computed = [sequence_features(target, sequences[group[0]], soft_labels)]
+        else:
+            computed = batch_features(target, [sequences[i] for i in group], soft_labels)
+        for i, one in zip(group, computed, strict=True):
             if cache is not None:
-                cache.put(cached)
-        cached.answer_start = starts[i]
-        feats.append(cached)
-        if progress and (i + 1) % 50 == 0:
-            print(f"features: {i + 1}/{len(sequences)} sequences", flush=True)
+                cache.put(one)
+            feats[i] = one
+        before, done = done, done + len(group)
+        if progress and done // 50 > before // 50:
+            print(f"features: {done}/{len(sequences)} sequences", flush=True)
+    for one, start in zip(feats, starts, strict=True):
+        one.answer_start = start
     if progress and cache is not None:
         print(cache.counts.describe(), flush=True)
-    return feats
+    return feats  # type: ignore[return-value]  # every entry was filled above

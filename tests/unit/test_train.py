@@ -488,6 +488,38 @@ def test_features_carry_the_targets_top_tokens(tiny_llama_dir):
     assert sequence_features(target, ids, soft_labels=0).soft_ids is None
 
 
+def test_batched_features_equal_one_sequence_at_a_time(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from sglang_dart.train.features import collect_features
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(10, 400, (n,), generator=gen).tolist() for n in (5, 17, 9, 9, 30, 2, 12)]
+    starts = [1, 3, 0, 4, 10, 1, 2]
+    alone = collect_features(target, sequences, progress=False, soft_labels=3, answer_starts=starts)
+    # 40 padded tokens: several groups, some of one sequence, and the padding of every length
+    batched = collect_features(
+        target, sequences, progress=False, soft_labels=3, answer_starts=starts, batch_tokens=40
+    )
+    for one, other, start in zip(alone, batched, starts, strict=True):
+        assert other.input_ids.tolist() == one.input_ids.tolist() and other.answer_start == start
+        assert other.labels.tolist() == one.labels.tolist()
+        assert other.soft_ids.tolist() == one.soft_ids.tolist()
+        torch.testing.assert_close(other.taps.float(), one.taps.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(other.soft_probs.float(), one.soft_probs.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_length_batches_keep_each_padded_batch_within_its_budget():
+    from sglang_dart.train.features import _length_batches
+
+    sequences = [[0] * n for n in (5, 17, 9, 9, 30, 2, 12)]
+    groups = _length_batches(list(range(7)), sequences, 40)
+    assert sorted(i for g in groups for i in g) == list(range(7))
+    assert all(len(g) * max(len(sequences[i]) for i in g) <= 40 or len(g) == 1 for g in groups)
+    assert _length_batches([3, 1], sequences, 0) == [[3], [1]]
+
+
 # --- held-out estimate and progress --------------------------------------------------------------------
 
 
@@ -579,6 +611,7 @@ def test_feature_noise_scales_with_each_tap_and_training_still_learns():
         (["--format", "eagle3", "--soft-weight", "0.5"], "DART's loss only"),
         (["--feature-noise", "-0.1"], "standard deviation"),
         (["--anchors", "0"], "at least 1"),
+        (["--feature-batch-tokens", "-1"], "count of padded tokens"),
         (["--format", "dflash", "--feature-noise", "0.1"], "DART's training only"),
         (["--format", "eagle3", "--greedy-chains-only"], "DART's training only"),
         (["--init", "CHECKPOINT", "--draft-vocab-size", "4096"], "grow, not shrink"),

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Issue 28's drafter compute on a lent GPU host (torch and transformers, no SGLang, no network), in one
+# device call once the target's weights are there:
+#   1. more answers: Magpie prompts the target samples itself under four framings (chat, explanations,
+#      general knowledge, code; data/smollm2-answers/README.md) and its greedy float32 answers
+#      (python -m sglang_dart.train.batch_generate), none a benchmark prompt or a committed answer's;
+#   2. DART drafters trained from scratch side by side on the one GPU: `committed` on every committed
+#      answer (from the start), `more` on those and the new answers (once they are written);
+#   3. back in $OUT: the drafters cast to bf16, the new answers (gzip) and the logs, as back.tar.part-*
+#      (15 MiB each; a call returns at most 8 files of 16 MiB): `cat back.tar.part-* | tar -x`.
+# Carried: .gpu/payload (`scripts/offline_payload.py pack --part-mib 56 MODEL_DIR`: the target with its
+# real weights; parts may come in earlier calls on the same warm machine, each left in /tmp/payload-parts),
+# .whl (this machine's transformers and tokenizers wheels, so that the host runs the versions the tests here
+# check) and .gpu/bench_prompts.txt (`python benchmarks/bench_prompts.py --exclude-file ...`).
+#   OUT=$OUT DEADLINE=<the call's timeout_s> bash scripts/gpu_train_drafter.sh
+# Knobs: MAGPIE (prompts to sample, default 12000), GEN_SECONDS (generation's budget, default 150),
+# BATCH (sequences per generate call, default 1024), NEW_TOKENS (an answer's most, default 256), TRAIN_ARGS (more options for both trainings),
+# DEVICE (default cuda; cpu, with PY and a small data/, runs the whole script as a smoke test here).
+set -u
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}
+PY=${PY:-python3}
+DEADLINE=${DEADLINE:-590}
+DEVICE=${DEVICE:-cuda}
+W=/tmp/train
+mkdir -p "$OUT" "$W"
+since() { echo $(( $(date +%s) - T0 )); }
+
+# The target: this call's parts join earlier calls'; until all are here, the call only leaves its own.
+mkdir -p /tmp/payload-parts && cp .gpu/payload/part-* /tmp/payload-parts/ 2>/dev/null
+if [ ! -d /tmp/payload ]; then
+  $PY scripts/offline_payload.py unpack --manifest .gpu/payload/parts.json --parts /tmp/payload-parts \
+    --dest /tmp/payload.tmp || { echo "parts here: $(ls /tmp/payload-parts | tr '\n' ' ')"; exit 0; }
+  mv /tmp/payload.tmp /tmp/payload && rm -rf /tmp/payload-parts
+fi
+TARGET=$(dirname "$(ls -d /tmp/payload/*/tokenizer.json | head -1)")
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 3
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+echo "target $TARGET ready after $(since)s; $(nproc) cores"
+
+# Trainings end by END, then their held-out estimates, the casts and the packing fit before DEADLINE.
+END=$(( DEADLINE - 75 ))
+train() {  # ARM DATA FEATURE_SECONDS: from scratch until END, its feature pass allowed FEATURE_SECONDS
+  local minutes
+  minutes=$($PY -c "print(round(max(0.5, ($END - $(since) - $3) / 60), 2))")
+  echo "training $1 on $(wc -l < "$2") answers for $minutes minutes, from $(since)s"
+  exec $PY -m sglang_dart.train --target "$TARGET" --data "$2" --out "$W/$1" --target-dtype bfloat16 \
+    --device "$DEVICE" --max-minutes "$minutes" --max-steps 1000000 --sequences-per-step 32 \
+    ${TRAIN_ARGS:-} > "$W/train-$1.log" 2>&1
+}
+zcat data/smollm2-answers/*.jsonl.gz > "$W/committed.jsonl"
+train committed "$W/committed.jsonl" 40 &
+COMMITTED=$!
+
+CODE="You are an expert programming assistant. Users ask you to write, complete, fix, explain and review code in \
+Python, JavaScript, TypeScript, C, C++, Rust, Go, Java, SQL and shell scripts."
+EXPLAIN="You are a patient, knowledgeable assistant. People ask you everyday questions: why something happens, \
+how something works, what the difference between two things is, what a word or idea means, and practical \
+advice for home, work, travel, food, health and money."
+KNOW="You are a friendly, well-read assistant. People ask you short questions about history, science, nature, \
+geography, language, culture, sports, technology and daily life, ask for summaries and comparisons, and ask for \
+quick how-to steps."
+CHAT="You are a helpful, friendly assistant. People come to you for all kinds of everyday help: advice and \
+recommendations, explanations of ideas, plans and schedules, emails and letters, short stories and poems, \
+summaries, comparisons, opinions, and step-by-step instructions."
+GEN_SECONDS=${GEN_SECONDS:-150}
+timeout -k 10 $(( GEN_SECONDS + 60 )) $PY -m sglang_dart.train.batch_generate --target "$TARGET" \
+  --out "$W/gpu-magpie.jsonl" --magpie "${MAGPIE:-12000}" --magpie-system "$CHAT" --magpie-system "$EXPLAIN" \
+  --magpie-system "$KNOW" --magpie-system "$CODE" --exclude-file .gpu/bench_prompts.txt \
+  --exclude-data data/smollm2-answers/*.jsonl.gz --device "$DEVICE" --dtype float32 --batch-size "${BATCH:-1024}" --max-new-tokens "${NEW_TOKENS:-256}" \
+  --max-seconds "$GEN_SECONDS" --seed 82 > "$W/generate.log" 2>&1
+echo "generation rc=$? after $(since)s: $(wc -l < "$W/gpu-magpie.jsonl" 2>/dev/null) answers"; tail -n 3 "$W/generate.log"
+cat "$W/committed.jsonl" "$W/gpu-magpie.jsonl" > "$W/more.jsonl" 2>/dev/null
+MORE=
+if [ -s "$W/gpu-magpie.jsonl" ]; then train more "$W/more.jsonl" 60 & MORE=$!; fi
+
+# A first SIGTERM makes a trainer save after its step (and skip its estimate): a late one still comes back.
+# (Its output goes nowhere: a sleeper holding this script's stdout could hold the call open.)
+( sleep $(( END + 30 - $(since) )); kill -TERM $COMMITTED $MORE ) > /dev/null 2>&1 &
+STOPPER=$!
+wait $COMMITTED; echo "committed rc=$? after $(since)s"
+[ -n "$MORE" ] && { wait "$MORE"; echo "more rc=$? after $(since)s"; }
+kill $STOPPER 2>/dev/null
+for log in "$W"/train-*.log; do
+  echo "== $log"; grep -E "features of|time budget|stopped by|saved|estimated|top-1 chain" "$log" | tail -n 6
+  grep -E "^step " "$log" | tail -n 2
+done
+
+mkdir -p /tmp/back
+for arm in committed more; do
+  [ -f "$W/$arm/config.json" ] && $PY scripts/cast_drafter.py "$W/$arm" "/tmp/back/$arm"
+done
+[ -s "$W/gpu-magpie.jsonl" ] && gzip -c "$W/gpu-magpie.jsonl" > /tmp/back/gpu-magpie.jsonl.gz
+cp "$W"/*.log /tmp/back/
+(cd /tmp/back && tar -cf - .) | split -b 15M - "$OUT/back.tar.part-"
+echo "done after $(since)s"; ls -l "$OUT"
