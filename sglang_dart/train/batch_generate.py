@@ -48,10 +48,12 @@ def continue_batch(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    pad_id: int | None = None,
 ) -> list[tuple[list[int], bool]]:
     """Each prompt's continuation (up to and including its first stop token) and whether it stopped, from one
-    left-padded `generate` over the batch (greedy at temperature 0)."""
-    pad = min(stop_ids)
+    left-padded `generate` over the batch (greedy at temperature 0). The padding is masked out, so any
+    token does; by default the smallest stop id."""
+    pad = min(stop_ids) if pad_id is None else pad_id
     longest = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), longest), dtype=torch.long)

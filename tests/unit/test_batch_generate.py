@@ -1,0 +1,68 @@
+"""Batched generation without SGLang (`sglang_dart.train.batch_generate`): a left-padded batch continues each
+prompt as the prompt alone would, stops at the first stop token, and answers become generate.py's rows."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sglang_dart.train.batch_generate import answer_rows, continue_batch, main
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def _prompts(lengths, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 300, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_a_padded_batch_continues_each_prompt_as_it_alone_would(target):
+    model, _ = target
+    prompts = _prompts((3, 11, 6, 1))
+    # no reachable stop token: every continuation runs its full length
+    batched = continue_batch(model, prompts, {10**6}, max_new_tokens=12, pad_id=0)
+    for prompt, (tokens, stopped) in zip(prompts, batched, strict=True):
+        alone, alone_stopped = continue_batch(model, [prompt], {10**6}, max_new_tokens=12, pad_id=0)[0]
+        assert tokens == alone and len(tokens) == 12 and not stopped and not alone_stopped
+
+
+def test_a_continuation_ends_at_its_first_stop_token(target):
+    model, _ = target
+    prompt = _prompts((5,))[0]
+    free, _ = continue_batch(model, [prompt], {10**6}, max_new_tokens=12, pad_id=0)[0]
+    stop = free[4]  # a token the greedy continuation reaches: the continuation must end there
+    first = free.index(stop)
+    tokens, stopped = continue_batch(model, [prompt], {stop}, max_new_tokens=12)[0]
+    assert stopped and tokens == free[: first + 1]
+
+
+def test_answers_are_generate_rows_for_every_prompt(target):
+    model, tokenizer = target
+    prompts = ["a much longer question about many things at once", "short one", "a middle question"]
+    stops = {tokenizer.eos_token_id}
+    rows = list(answer_rows(model, tokenizer, prompts, stops, 2, 5, deadline=float("inf")))
+    assert sorted(row["prompt"] for row in rows) == sorted(prompts)
+    for row in rows:
+        head = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True
+        )
+        head = head["input_ids"] if hasattr(head, "keys") else head
+        assert row["input_ids"][: row["prompt_len"]] == list(head)
+        answer = row["input_ids"][row["prompt_len"] :]
+        assert len(answer) == 5 or (0 < len(answer) < 5 and answer[-1] in stops)
+        assert row["text"] == tokenizer.decode(row["input_ids"])
+    assert not list(answer_rows(model, tokenizer, prompts, stops, 2, 5, deadline=time.monotonic()))
+
+
+@pytest.mark.parametrize("option", [["--magpie", "0"], ["--magpie", "3", "--batch-size", "0"]])
+def test_bad_counts_are_refused(tmp_path, option):
+    with pytest.raises(SystemExit):
+        main(["--target", str(tmp_path), "--out", str(tmp_path / "o.jsonl"), *option])
