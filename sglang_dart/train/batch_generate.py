@@ -16,8 +16,10 @@ otherwise than one sequence alone does (SmolLM2, 4 of 6 answers parted within 48
 not (6 of 6 equal). The trainer labels every position with the target's own argmax anyway, so a parted
 answer would only shift the contexts the drafter learns from.
 
-Rows are appended to OUT batch by batch, and prompts already in OUT are not sampled again, so a run stopped
-by `--max-seconds` or a kill keeps what it finished and a second run adds to it.
+Rows are appended to OUT as they are answered, and sampled prompts to OUT.magpie.jsonl as they are kept: a
+run stopped by `--max-seconds` or a kill keeps what it finished, and a second run answers the prompts the
+first sampled but did not answer before sampling only the rest of its --magpie (prompts in OUT, answered,
+are never sampled again).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from sglang_dart.train.generate import chat_prompt_ids, stop_token_ids
 
 # A sampled user turn as generate.py samples it through SGLang.
 MAGPIE_SAMPLING = {"temperature": 1.0, "top_p": 0.99, "max_new_tokens": 96}
+BARREN_BATCHES = 8
 
 
 @torch.inference_mode()
@@ -87,23 +91,30 @@ def sample_prompts(
     batch_size: int,
     deadline: float,
     system: str | None = None,
+    on_kept: Callable[[str], None] | None = None,
 ) -> tuple[list[str], Counter]:
     """Up to `count` distinct user turns the target writes after its chat template's user-turn prefix,
-    screened as `magpie.sample_prompts` screens a server's; sampling stops at `deadline` (time.monotonic)."""
+    screened as `magpie.sample_prompts` screens a server's; sampling stops at `deadline` (time.monotonic).
+    `on_kept` is called with each prompt as it is kept (the caller saves it)."""
     prefix = magpie.user_turn_prefix(tokenizer, system)
-    screen = magpie._Screen(tokenizer, exclude)
+    screen = magpie.Screen(tokenizer, exclude)
     kept: list[str] = []
-    while len(kept) < count and time.monotonic() < deadline:
+    barren = 0  # batches in a row that kept nothing: a target whose turns all fail the screen ends here
+    while len(kept) < count and time.monotonic() < deadline and barren < BARREN_BATCHES:
         rows = continue_batch(
             model, [prefix] * batch_size, stop_ids, MAGPIE_SAMPLING["max_new_tokens"],
             MAGPIE_SAMPLING["temperature"], MAGPIE_SAMPLING["top_p"],
         )  # fmt: skip
+        before = len(kept)
         for tokens, stopped in rows:
             text = tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
             finish = {"type": "stop" if stopped else "length"}
             prompt = screen.keep({"text": text, "meta_info": {"finish_reason": finish}})
             if prompt is not None and len(kept) < count:
                 kept.append(prompt)
+                if on_kept is not None:
+                    on_kept(prompt)
+        barren = barren + 1 if len(kept) == before else 0
     return kept, screen.skipped
 
 
@@ -190,21 +201,35 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
     stops = stop_token_ids(tokenizer, args.target)
+    # Prompts sampled by an earlier run and not answered yet (its side file) are answered first.
+    side = args.out.with_name(args.out.name + ".magpie.jsonl")
+    prompts = _unanswered_prompts(side, exclude)
+    if prompts:
+        print(f"magpie: {len(prompts)} prompts of an earlier run still to answer", file=sys.stderr)
+    to_sample = max(0, args.magpie - len(prompts))
     # Half the time for prompts at most (a run cut short still answers what it sampled), shared by framings.
-    prompts: list[str] = []
-    for share, system in enumerate(systems, 1):
-        wanted = args.magpie * share // len(systems) - len(prompts)
-        share_deadline = started + (deadline - started) / 2 * share / len(systems)
-        kept, skipped = sample_prompts(
-            model, tokenizer, wanted, stops, exclude | set(prompts), args.batch_size, share_deadline, system
-        )
-        prompts += kept
-        print(
-            f"magpie: {len(kept)} prompts framed by {system!r:.40} after {time.monotonic() - started:.0f}s "
-            f"(skipped: {dict(skipped)})",
-            file=sys.stderr,
-            flush=True,
-        )
+    with side.open("a") as saved:
+
+        def keep(prompt: str) -> None:
+            saved.write(json.dumps(prompt) + "\n")
+            saved.flush()
+
+        sampled: list[str] = []
+        for share, system in enumerate(systems, 1):
+            wanted = to_sample * share // len(systems) - len(sampled)
+            share_deadline = started + (deadline - started) / 2 * share / len(systems)
+            kept, skipped = sample_prompts(
+                model, tokenizer, wanted, stops, exclude | set(prompts) | set(sampled), args.batch_size,
+                share_deadline, system, keep,
+            )  # fmt: skip
+            sampled += kept
+            print(
+                f"magpie: {len(kept)} prompts framed by {system!r:.40} after "
+                f"{time.monotonic() - started:.0f}s (skipped: {dict(skipped)})",
+                file=sys.stderr,
+                flush=True,
+            )
+    prompts += sampled
     count = tokens = 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
@@ -212,19 +237,35 @@ def main(argv: list[str] | None = None) -> None:
             model, tokenizer, prompts, stops, args.batch_size, args.max_new_tokens, deadline
         ):
             f.write(json.dumps(row) + "\n")
+            f.flush()  # a kill loses at most the batch in flight
             count += 1
             tokens += len(row["input_ids"]) - row["prompt_len"]
             if count % args.batch_size == 0:
-                f.flush()
-                print(
-                    f"answers: {count}/{len(prompts)} ({time.monotonic() - started:.0f}s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                seconds = time.monotonic() - started
+                print(f"answers: {count}/{len(prompts)} ({seconds:.0f}s)", file=sys.stderr, flush=True)
+    if count == len(prompts):
+        side.unlink(missing_ok=True)  # every sampled prompt is answered in OUT
     print(
         f"wrote {count} conversations ({tokens} generated tokens) to {args.out} "
-        f"in {time.monotonic() - started:.0f}s"
+        f"in {time.monotonic() - started:.0f}s; {len(prompts) - count} sampled prompts left to answer "
+        f"(in {side.name}: run again to answer them)"
     )
+
+
+def _unanswered_prompts(side: Path, answered: set[str]) -> list[str]:
+    """The prompts an earlier run saved in `side` (its complete lines) that are not in `answered`."""
+    if not side.exists():
+        return []
+    prompts = []
+    for line in side.read_text().splitlines():
+        try:
+            prompt = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut off by a kill
+        if isinstance(prompt, str) and prompt not in answered and prompt not in prompts:
+            prompts.append(prompt)
+    side.write_text("".join(json.dumps(prompt) + "\n" for prompt in prompts))
+    return prompts
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def rejection(prompt: str, finished: bool, markers: tuple[str, ...]) -> str | No
     return None
 
 
-class _Screen:
+class Screen:
     """Sampled user turns checked one by one: `rejection`'s reasons, then excluded and duplicate texts
     (case and spacing aside); every skip is counted by reason."""
 
@@ -121,7 +121,7 @@ def sample_prompts(
     kept (the caller saves it, so an interrupted run keeps what it sampled). `system` frames the sampled
     turns only (see `user_turn_prefix`); the answers are generated without it."""
     prefix = user_turn_prefix(tokenizer, system)
-    screen = _Screen(tokenizer, exclude)
+    screen = Screen(tokenizer, exclude)
     kept: list[str] = []
     for _ in range(max_rounds):
         wanted = count - len(kept)
@@ -159,7 +159,7 @@ def sample_follow_ups(
     excluded prompt or to an earlier kept one is skipped). A conversation whose sample is skipped is tried
     again in the next round, up to `max_rounds`. Returns the conversations extended by their follow-up
     (ready to be answered), in the order given, and the skip counts by reason."""
-    screen = _Screen(tokenizer, exclude)
+    screen = Screen(tokenizer, exclude)
     kept: dict[int, list[dict[str, str]]] = {}
     todo = list(range(len(conversations)))
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}

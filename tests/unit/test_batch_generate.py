@@ -3,6 +3,7 @@ prompt as the prompt alone would, stops at the first stop token, and answers bec
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -66,3 +67,33 @@ def test_answers_are_generate_rows_for_every_prompt(target):
 def test_bad_counts_are_refused(tmp_path, option):
     with pytest.raises(SystemExit):
         main(["--target", str(tmp_path), "--out", str(tmp_path / "o.jsonl"), *option])
+
+
+def test_a_second_run_answers_what_the_first_sampled_and_left(tiny_llama_dir, tmp_path):
+    out = tmp_path / "gen.jsonl"
+    side = tmp_path / "gen.jsonl.magpie.jsonl"
+    first, second = "what is the first saved question", "what is the second saved question"
+    # the first run sampled two prompts and answered one before it was stopped mid-line
+    side.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n" + '"what is a cut')
+    out.write_text(json.dumps({"prompt": first, "input_ids": [1, 2], "prompt_len": 1, "text": "x"}) + "\n")
+    options = ["--device", "cpu", "--batch-size", "2", "--max-new-tokens", "3"]
+    main(["--target", str(tiny_llama_dir), "--out", str(out), "--magpie", "1", *options])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == [first, second]  # no new sample: --magpie 1 is met
+    assert not side.exists()  # every prompt it held is answered
+
+
+def test_a_target_whose_turns_all_fail_the_screen_stops_sampling(target, monkeypatch):
+    import sglang_dart.train.batch_generate as batch_generate
+
+    model, tokenizer = target
+    calls = []
+
+    def never_stopping(model, prompts, *args, **kwargs):  # every sampled turn runs past its budget
+        calls.append(len(prompts))
+        return [([5, 6, 7], False)] * len(prompts)
+
+    monkeypatch.setattr(batch_generate, "continue_batch", never_stopping)
+    kept, skipped = batch_generate.sample_prompts(model, tokenizer, 5, {0}, set(), 2, deadline=float("inf"))
+    assert kept == [] and skipped["overlong"] == 2 * batch_generate.BARREN_BATCHES
+    assert calls == [2] * batch_generate.BARREN_BATCHES
