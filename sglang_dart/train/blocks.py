@@ -103,21 +103,52 @@ def block_logits(
     Every real position still enters attention as a key, but only the wanted ones (and the mask slots)
     go on as queries through the MLP and the head: a prompt's positions, which training never
     supervises, cost the head's products for nothing (about a third of a sequence's real rows)."""
+    return packed_block_logits(model, [(taps, next_tokens, anchors, real_rows)])[0]
+
+
+def packed_block_logits(
+    model: DartDrafter,
+    sequences: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+) -> list[BlockLogits]:
+    """`block_logits` of several sequences, each (taps, next_tokens, anchors, real_rows), from one pass of
+    every row-wise product (the taps' fc, the projections, the MLP and the head over all sequences' rows
+    at once) and one `block_attention` per sequence, which alone mixes rows. On a GPU a sequence at a
+    time left it waiting on the host between small kernels; on a CPU the products are as large either way."""
     cfg = model.cfg
-    n, d, num_anchors = taps.shape[0], cfg.draft_length, anchors.shape[0]
-    residual_real = model.fuse(taps)
+    d = cfg.draft_length
+    residual_real = model.fuse(torch.cat([taps for taps, _, _, _ in sequences]))
+    real_in = model.real_inputs(residual_real, torch.cat([tokens for _, tokens, _, _ in sequences]))
     mask_in, mask_residual = model.mask_row(residual_real.dtype)
-    attn_in = torch.cat([model.real_inputs(residual_real, next_tokens), mask_in.expand(num_anchors * d, -1)])
-    residual = torch.cat([residual_real, mask_residual.expand(num_anchors * d, -1)])
-    slot_positions = (anchors.unsqueeze(1) + torch.arange(1, d + 1, device=taps.device)).reshape(-1)
-    positions = torch.cat([torch.arange(n, device=taps.device), slot_positions])
-    q, k, v = model.project_qkv(attn_in, positions)
-    wanted_real = torch.arange(n, device=taps.device) if real_rows is None else real_rows.to(taps.device)
-    wanted_real = wanted_real.to(torch.int64)
-    queries = torch.cat([q[wanted_real], q[n:]])
-    residual = torch.cat([residual[wanted_real], residual[n:]])
-    context = block_attention(queries, k, v, wanted_real, anchors, d, 1.0 / math.sqrt(cfg.head_dim))
-    context = context.to(attn_in.dtype)
-    logits = model.head(residual, context)
-    wanted = wanted_real.shape[0]
-    return BlockLogits(all=logits, real=logits[:wanted], masks=logits[wanted:].view(num_anchors, d, -1))
+    attn_parts, residual_parts, position_parts, spans = [], [], [], []
+    real_at = row_at = 0
+    for taps, _, anchors, _ in sequences:
+        n, slots = taps.shape[0], anchors.shape[0] * d
+        attn_parts += [real_in[real_at : real_at + n], mask_in.expand(slots, -1)]
+        residual_parts += [residual_real[real_at : real_at + n], mask_residual.expand(slots, -1)]
+        slot_positions = (anchors.unsqueeze(1) + torch.arange(1, d + 1, device=taps.device)).reshape(-1)
+        position_parts += [torch.arange(n, device=taps.device), slot_positions]
+        spans.append((row_at, n, slots))
+        real_at, row_at = real_at + n, row_at + n + slots
+    attn_in = torch.cat(attn_parts)
+    q, k, v = model.project_qkv(attn_in, torch.cat(position_parts))
+    residual = torch.cat(residual_parts)
+    rows, contexts, wanted_counts = [], [], []
+    for (start, n, slots), (taps, _, anchors, real_rows) in zip(spans, sequences, strict=True):
+        wanted = torch.arange(n, device=taps.device) if real_rows is None else real_rows.to(taps.device)
+        wanted = wanted.to(torch.int64)
+        end = start + n + slots
+        queries = torch.cat([q[start + wanted], q[start + n : end]])
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        context = block_attention(queries, k[start:end], v[start:end], wanted, anchors, d, scale)
+        contexts.append(context.to(attn_in.dtype))
+        rows.append(torch.cat([start + wanted, torch.arange(start + n, end, device=taps.device)]))
+        wanted_counts.append(wanted.shape[0])
+    logits = model.head(residual[torch.cat(rows)], torch.cat(contexts))
+    out, at = [], 0
+    for (_, _, slots), (_, _, anchors, _), wanted in zip(spans, sequences, wanted_counts, strict=True):
+        mine = logits[at : at + wanted + slots]
+        out.append(
+            BlockLogits(all=mine, real=mine[:wanted], masks=mine[wanted:].view(anchors.shape[0], d, -1))
+        )
+        at += wanted + slots
+    return out

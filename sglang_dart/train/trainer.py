@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from sglang_dart.drafter.model import DartDrafter
-from sglang_dart.train.blocks import block_logits
+from sglang_dart.train.blocks import BlockLogits, block_logits, packed_block_logits
 from sglang_dart.train.features import SequenceFeatures
 from sglang_dart.train.stop_signal import stop_on_signals, stop_requested
 from sglang_dart.train.vocab import DraftVocab
@@ -148,14 +148,69 @@ def sequence_loss(
     greedy chain's next token, so on text the target did not write (documents, other models' answers) a
     label past a departure would teach a continuation no verify step ever accepts. On the target's own
     greedy answers it drops only the near-ties where the feature pass and the generating engine disagree."""
-    d = model.cfg.draft_length
+    rows = _block_rows(model, feats, anchors)
+    out = block_logits(model, rows.taps, rows.next_tokens, anchors, rows.real_rows)
+    return _loss_of_logits(
+        out, rows, feats, vocab, anchors, model.cfg.draft_length, row_decay, soft_weight, greedy_chains_only
+    )
+
+
+@dataclass(frozen=True)
+class _BlockRows:
+    """What a sequence's training forward reads: its real rows padded to a bucketed count, the real rows
+    whose row-0 logits are wanted (from `wanted_from` on), and the first one supervised."""
+
+    taps: torch.Tensor
+    next_tokens: torch.Tensor
+    real_rows: torch.Tensor
+    first: int
+    wanted_from: int
+
+
+def _block_rows(model: DartDrafter, feats: SequenceFeatures, anchors: torch.Tensor) -> _BlockRows:
     num_real = feats.input_ids.shape[0] - 1
     first = min(feats.first_anchor(), num_real)
     taps, next_tokens, wanted_from = padded_rows(
         feats.taps[:num_real].to(model.fc.weight.dtype), feats.input_ids[1:], first
     )
     real_rows = torch.arange(wanted_from, taps.shape[0], device=anchors.device)
-    out = block_logits(model, taps, next_tokens, anchors, real_rows)
+    return _BlockRows(taps, next_tokens, real_rows, first, wanted_from)
+
+
+def packed_sequence_losses(
+    model: DartDrafter,
+    batch: list[tuple[SequenceFeatures, torch.Tensor]],
+    vocab: DraftVocab,
+    row_decay: float,
+    soft_weight: float = 0.0,
+    greedy_chains_only: bool = False,
+) -> list[SequenceLoss]:
+    """`sequence_loss` of each (features, anchors) pair, their forwards packed into one
+    (`packed_block_logits`): the same losses, up to the rounding of differently sized products."""
+    rows = [_block_rows(model, feats, anchors) for feats, anchors in batch]
+    parts = [(r.taps, r.next_tokens, a, r.real_rows) for r, (_, a) in zip(rows, batch, strict=True)]
+    outs = packed_block_logits(model, parts)
+    d = model.cfg.draft_length
+    return [
+        _loss_of_logits(out, r, feats, vocab, anchors, d, row_decay, soft_weight, greedy_chains_only)
+        for out, r, (feats, anchors) in zip(outs, rows, batch, strict=True)
+    ]
+
+
+def _loss_of_logits(
+    out: BlockLogits,
+    rows: _BlockRows,
+    feats: SequenceFeatures,
+    vocab: DraftVocab,
+    anchors: torch.Tensor,
+    d: int,
+    row_decay: float,
+    soft_weight: float,
+    greedy_chains_only: bool,
+) -> SequenceLoss:
+    """`sequence_loss` from the sequence's block logits."""
+    num_real = feats.input_ids.shape[0] - 1
+    first, wanted_from, real_rows = rows.first, rows.wanted_from, rows.real_rows
     labels = vocab.to_draft(feats.labels)  # draft ids, -100 outside the draft vocabulary
     # Rows the padding added (prompt rows before `first`, filler rows past the sequence) learn nothing.
     row0_labels = torch.full_like(real_rows, -100)
@@ -281,6 +336,14 @@ class SequenceStep(Protocol):
     def __call__(self, feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]: ...
 
 
+class BatchStep(Protocol):
+    """A step's sequences' losses and top-1 stats, in order, from forwards that may share their work."""
+
+    def __call__(
+        self, batch: list[SequenceFeatures], rng: random.Random
+    ) -> list[tuple[torch.Tensor, RowStats]]: ...
+
+
 def _step_backward(
     batch: list[SequenceFeatures],
     settings: TrainSettings,
@@ -288,8 +351,10 @@ def _step_backward(
     sequence_step: SequenceStep,
     rng: random.Random,
     window: RowStats,
+    batch_step: BatchStep | None = None,
 ) -> float:
-    """One optimizer step's forwards and ONE backward of their mean loss; returns that mean. All forwards
+    """One optimizer step's forwards (`batch_step`'s, or `sequence_step`'s one sequence at a time) and ONE
+    backward of their mean loss; returns that mean. All forwards
     share one autocast region, so each weight is cast to bf16 once a step, not once a sequence, and its
     gradient is cast back and added to `.grad` once (a DART step on CPU 4-5% cheaper: the 8,192-row head
     alone is read and written twice a cast). The graphs of the step's sequences are alive together until
@@ -297,8 +362,11 @@ def _step_backward(
     autocast dtype."""
     losses = []
     with bf16_autocast(settings.bf16_autocast, device):
-        for feats in batch:
-            loss, stats = sequence_step(feats, rng)
+        if batch_step is not None:
+            results = batch_step(batch, rng)
+        else:
+            results = [sequence_step(feats, rng) for feats in batch]
+        for loss, stats in results:
             losses.append(loss)
             for row, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
                 window.add(row, int(c), int(t))
@@ -315,8 +383,10 @@ def fit(
     log=print,
     unit: str = "row",
     log_seconds: float | None = None,
+    batch_step: BatchStep | None = None,
 ) -> list[float]:
-    """The loop every format's trainer runs, in place; returns every step's loss. Each step takes
+    """The loop every format's trainer runs, in place; returns every step's loss (`batch_step`, where a
+    format has one, computes a step's sequences together). Each step takes
     `sequences_per_step` sequences in a reshuffled round robin, AdamW with `lr_factor`'s schedule and
     gradient clipping, until the step or time budget runs out. Progress: a live line on a terminal and,
     every `log_every` steps (and every `log_seconds`, for formats whose steps can take seconds) and at the
@@ -354,7 +424,7 @@ def fit(
                     order = list(range(len(usable)))
                     rng.shuffle(order)
                 batch.append(usable[order.pop()])
-            step_loss = _step_backward(batch, settings, device, sequence_step, rng, window)
+            step_loss = _step_backward(batch, settings, device, sequence_step, rng, window, batch_step)
             nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
             losses.append(step_loss)
@@ -391,7 +461,8 @@ def train(
     device = model.fc.weight.device
     on_device = vocab.to(device)
 
-    def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+    def prepared(feats: SequenceFeatures, rng: random.Random) -> tuple[SequenceFeatures, torch.Tensor]:
+        """The sequence on the device with its anchors drawn (and its taps noised, where asked)."""
         feats = feats.to(device)
         num_real = feats.input_ids.shape[0] - 1
         first = feats.first_anchor()
@@ -401,6 +472,10 @@ def train(
             num_taps = feats.taps.shape[1] // model.cfg.target_hidden_size
             taps = noised_taps(feats.taps, num_taps, settings.feature_noise, generator)
             feats = replace(feats, taps=taps)
+        return feats, anchors
+
+    def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+        feats, anchors = prepared(feats, rng)
         result = sequence_loss(
             model,
             feats,
@@ -412,4 +487,11 @@ def train(
         )
         return result.loss, result.stats
 
-    return fit(model, usable, settings, sequence_step, log)
+    def batch_step(batch: list[SequenceFeatures], rng: random.Random) -> list[tuple[torch.Tensor, RowStats]]:
+        ready = [prepared(feats, rng) for feats in batch]  # the rng draws in the one-at-a-time order
+        results = packed_sequence_losses(
+            model, ready, on_device, settings.row_decay, settings.soft_weight, settings.greedy_chains_only
+        )
+        return [(result.loss, result.stats) for result in results]
+
+    return fit(model, usable, settings, sequence_step, log, batch_step=batch_step)

@@ -272,6 +272,52 @@ def test_one_backward_per_step_gives_the_per_sequence_gradients(bf16):
     assert stats == expected_stats
 
 
+@pytest.mark.parametrize(("soft_weight", "greedy_chains_only"), [(0.0, False), (0.0, True), (0.5, False)])
+def test_packed_forwards_give_each_sequences_own_loss_and_gradients(soft_weight, greedy_chains_only):
+    """A step's sequences through one packed forward (`packed_sequence_losses`, what training runs): each
+    sequence's loss and stats, and the gradients of their mean, are those of its forward alone."""
+    from sglang_dart.train.trainer import packed_sequence_losses
+
+    model, _, vocab = _drafter()
+    batch = [
+        *_copy_task(count=1, length=20, seed=5),
+        *_copy_task(count=1, length=9, seed=5, sequence_seed=1),
+        *_copy_task(count=1, length=33, seed=5, sequence_seed=2),
+    ]
+    batch[1].answer_start, batch[2].answer_start = 3, 11
+    gen = torch.Generator().manual_seed(9)
+    for feats in batch:  # soft labels: the hard label first, then three others
+        n = feats.labels.shape[0]
+        others = torch.randint(0, 50, (n, 3), generator=gen)
+        feats.soft_ids = torch.cat([feats.labels.unsqueeze(1), others], 1).to(torch.int32)
+        feats.soft_probs = torch.tensor([0.7, 0.1, 0.1, 0.1]).expand(n, 4).to(torch.bfloat16)
+        if greedy_chains_only:  # a departure from the greedy chain in the middle
+            feats.input_ids = feats.input_ids.clone()
+            feats.input_ids[n // 2] = (feats.input_ids[n // 2] + 1) % 50
+    anchors = [
+        sample_anchors(f.input_ids.shape[0] - 1, 5, random.Random(i), f.first_anchor())
+        for i, f in enumerate(batch)
+    ]
+    options = (0.8, soft_weight, greedy_chains_only)
+
+    alone = [sequence_loss(model, feats, vocab, a, *options) for feats, a in zip(batch, anchors, strict=True)]
+    (torch.stack([r.loss for r in alone]).sum() / 3).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    packed = packed_sequence_losses(model, list(zip(batch, anchors, strict=True)), vocab, *options)
+    (torch.stack([r.loss for r in packed]).sum() / 3).backward()
+    for one, other in zip(alone, packed, strict=True):
+        assert other.loss.item() == pytest.approx(one.loss.item(), rel=1e-5)
+        assert other.stats == one.stats
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys() and len(got) > 5
+    for name, grad in got.items():
+        torch.testing.assert_close(
+            grad, expected[name], rtol=1e-4, atol=1e-6 * expected[name].abs().max().item()
+        )
+
+
 def test_draft_vocab_keeps_most_frequent_labels():
     labels = [torch.tensor([5] * 10 + [7] * 5 + [1] * 2 + [3])]
     vocab = most_frequent_vocab(labels, 10, 3)
