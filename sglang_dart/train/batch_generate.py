@@ -37,7 +37,7 @@ import torch
 
 from sglang_dart.jsonl import iter_jsonl
 from sglang_dart.train import magpie
-from sglang_dart.train.generate import chat_prompt_ids, stop_token_ids
+from sglang_dart.train.generate import _read_rows, chat_prompt_ids, stop_token_ids
 
 # A sampled user turn as generate.py samples it through SGLang.
 MAGPIE_SAMPLING = {"temperature": 1.0, "top_p": 0.99, "max_new_tokens": 96}
@@ -253,17 +253,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _unanswered_prompts(side: Path, answered: set[str]) -> list[str]:
-    """The prompts an earlier run saved in `side` (its complete lines) that are not in `answered`."""
+    """The prompts an earlier run saved in `side` (its complete lines) that are not in `answered`; the file
+    is rewritten to hold just those."""
     if not side.exists():
         return []
-    prompts = []
-    for line in side.read_text().splitlines():
-        try:
-            prompt = json.loads(line)
-        except json.JSONDecodeError:
-            break  # a line cut off by a kill
-        if isinstance(prompt, str) and prompt not in answered and prompt not in prompts:
-            prompts.append(prompt)
+    prompts = list(dict.fromkeys(p for p in _read_rows(side) if isinstance(p, str) and p not in answered))
     side.write_text("".join(json.dumps(prompt) + "\n" for prompt in prompts))
     return prompts
 
