@@ -186,7 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     deadline = started + (args.max_seconds if args.max_seconds is not None else float("inf"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    except (OSError, ValueError) as exc:
+        p.error(f"--target {args.target}: no tokenizer to load ({exc})")
     if not getattr(tokenizer, "chat_template", None):
         p.error(f"{args.target}: the tokenizer has no chat template to put prompts in")
     systems = args.magpie_system or [None]
@@ -195,8 +198,12 @@ def main(argv: list[str] | None = None) -> None:
             magpie.user_turn_prefix(tokenizer, system)
     except ValueError as exc:
         p.error(f"--magpie: {exc}")
-    exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
-    exclude |= _known_prompts([*args.exclude_data, args.out])
+    try:
+        exclude = set(args.exclude_file.read_text().splitlines()) if args.exclude_file else set()
+        exclude |= _known_prompts([*args.exclude_data, args.out])
+    except (OSError, ValueError) as exc:
+        p.error(f"prompts to keep out: {exc}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
@@ -231,7 +238,6 @@ def main(argv: list[str] | None = None) -> None:
             )
     prompts += sampled
     count = tokens = 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         for row in answer_rows(
             model, tokenizer, prompts, stops, args.batch_size, args.max_new_tokens, deadline
@@ -243,12 +249,13 @@ def main(argv: list[str] | None = None) -> None:
             if count % args.batch_size == 0:
                 seconds = time.monotonic() - started
                 print(f"answers: {count}/{len(prompts)} ({seconds:.0f}s)", file=sys.stderr, flush=True)
-    if count == len(prompts):
+    left = len(prompts) - count
+    if not left:
         side.unlink(missing_ok=True)  # every sampled prompt is answered in OUT
     print(
         f"wrote {count} conversations ({tokens} generated tokens) to {args.out} "
-        f"in {time.monotonic() - started:.0f}s; {len(prompts) - count} sampled prompts left to answer "
-        f"(in {side.name}: run again to answer them)"
+        f"in {time.monotonic() - started:.0f}s"
+        + (f"; {left} sampled prompts left in {side.name}: run again to answer them" if left else "")
     )
 
 

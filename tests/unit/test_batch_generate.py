@@ -63,10 +63,26 @@ def test_answers_are_generate_rows_for_every_prompt(target):
     assert not list(answer_rows(model, tokenizer, prompts, stops, 2, 5, deadline=time.monotonic()))
 
 
-@pytest.mark.parametrize("option", [["--magpie", "0"], ["--magpie", "3", "--batch-size", "0"]])
-def test_bad_counts_are_refused(tmp_path, option):
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--magpie", "0"], "must be >= 1"),
+        (["--magpie", "3", "--batch-size", "0"], "must be >= 1"),
+        (["--magpie", "3"], "no tokenizer to load"),  # the target directory is empty
+    ],
+)
+def test_bad_input_is_refused_with_a_reason(tmp_path, capsys, option, message):
     with pytest.raises(SystemExit):
         main(["--target", str(tmp_path), "--out", str(tmp_path / "o.jsonl"), *option])
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_exclude_file_is_refused_with_its_name(tiny_llama_dir, tmp_path, capsys):
+    missing = tmp_path / "nowhere.txt"
+    with pytest.raises(SystemExit):
+        main(["--target", str(tiny_llama_dir), "--out", str(tmp_path / "o.jsonl"), "--magpie", "2"]
+             + ["--exclude-file", str(missing), "--device", "cpu"])  # fmt: skip
+    assert str(missing) in capsys.readouterr().err
 
 
 def test_a_second_run_answers_what_the_first_sampled_and_left(tiny_llama_dir, tmp_path):
