@@ -1,7 +1,7 @@
 """DART training steps a second, a step's sequences through one packed forward (what training runs) against
 one sequence at a time, in the same process on the same features, rounds alternating.
 
-    .venv/bin/python benchmarks/train_step.py --target DIR --data answers.jsonl [--device cpu|cuda]
+    .venv/bin/python benchmarks/train_step.py --target DIR --data answers.jsonl[.gz] [--device cpu|cuda]
         [--sequences 64] [--sequences-per-step 4] [--steps 10] [--rounds 3] [--target-dtype bfloat16]
 
 The features of the first --sequences answers are computed once; each round times --steps optimizer steps

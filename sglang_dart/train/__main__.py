@@ -45,6 +45,8 @@ def read_sequences(path: Path, tokenizer, max_len: int) -> conversations.Sequenc
         sequences = conversations.read_sequences(path, tokenizer, max_len)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    except (OSError, EOFError) as exc:  # missing, unreadable, or a damaged .gz
+        raise SystemExit(f"{path}: cannot be read ({exc or type(exc).__name__})") from exc
     if not sequences.ids:
         raise SystemExit(f"{path} holds no usable sequences ({sequences.report()})")
     print(f"{path}: {sequences.report()}", flush=True)
@@ -87,7 +89,10 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", required=True, type=Path, help="target model directory (HF layout)")
     p.add_argument(
-        "--data", required=True, type=Path, help=".jsonl of input_ids, text, messages or conversations"
+        "--data",
+        required=True,
+        type=Path,
+        help=".jsonl (or .jsonl.gz) of input_ids, text, messages or conversations",
     )
     p.add_argument("--out", required=True, type=Path, help="draft checkpoint directory to write")
     p.add_argument("--draft-length", type=int, default=7, help="mask slots d (tree depth d + 1)")

@@ -136,10 +136,11 @@ def row_sequence(row: Any, tokenizer: Any) -> tuple[list[int], int] | None:
 
 
 def read_sequences(path: Path, tokenizer: Any, max_len: int) -> Sequences:
-    """Every row of a .jsonl file as token ids truncated to max_len; DataFormatError naming file and line."""
+    """Every row of a .jsonl file (or .jsonl.gz: the committed answer chunks) as token ids truncated to
+    max_len; DataFormatError naming file and line."""
     out = Sequences()
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    for line_no, row in iter_jsonl(path):
+    for line_no, row in iter_jsonl(path, gzipped=path.suffix == ".gz"):
         # A row with input_ids is read from them (a generated conversation records its turns too).
         chat = isinstance(row, dict) and "input_ids" not in row
         chat = chat and ("messages" in row or "conversations" in row)

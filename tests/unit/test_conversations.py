@@ -157,3 +157,27 @@ def test_generation_prompts_end_at_the_last_user_turn(tmp_path):
     ]
     with pytest.raises(DataFormatError, match=r"p\.jsonl:1: unknown prompt format"):
         read_prompts(_write(tmp_path / "p.jsonl", [{"question": "x"}]))
+
+
+def test_gzipped_rows_read_as_the_plain_file(tokenizer, tmp_path):
+    import gzip
+
+    rows = [{"input_ids": [5, 6, 7, 8], "prompt_len": 1}, {"text": "hello there, general reader"}]
+    plain = read_sequences(_write(tmp_path / "d.jsonl", rows), tokenizer, max_len=1000)
+    packed = tmp_path / "d.jsonl.gz"
+    packed.write_bytes(gzip.compress((tmp_path / "d.jsonl").read_bytes()))
+    got = read_sequences(packed, tokenizer, max_len=1000)
+    assert got.ids == plain.ids and got.answer_starts == plain.answer_starts and len(got.ids) == 2
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated gzip"])
+def test_an_unreadable_data_file_stops_training_with_its_name(tmp_path, damage):
+    import gzip
+
+    from sglang_dart.train.__main__ import read_sequences as training_sequences
+
+    path = tmp_path / "answers.jsonl.gz"
+    if damage == "truncated gzip":
+        path.write_bytes(gzip.compress(b'{"input_ids": [1, 2, 3]}\n' * 200)[:40])
+    with pytest.raises(SystemExit, match="answers.jsonl.gz"):
+        training_sequences(path, None, 100)
