@@ -13,11 +13,14 @@ JSONL_SUFFIXES = frozenset({".jsonl", ".json", ".ndjson"})
 
 
 def iter_jsonl_lines(
-    path: Path, gzipped: bool = False, errors: str = "replace"
+    path: Path, gzipped: bool | None = None, errors: str = "replace"
 ) -> Iterator[tuple[int, str, Any]]:
     """(line number, the line as read, parsed value) for every non-blank line; ValueError naming the line
-    on bad JSON. `gzipped`: the file is gzip-compressed (a damaged one raises OSError or EOFError);
-    `errors`: how undecodable UTF-8 is read ("strict" raises UnicodeDecodeError, a ValueError)."""
+    on bad JSON. `gzipped`: the file is gzip-compressed (a damaged one raises OSError or EOFError); by
+    default, where its name ends in `.gz`. `errors`: how undecodable UTF-8 is read ("strict" raises
+    UnicodeDecodeError, a ValueError)."""
+    if gzipped is None:
+        gzipped = Path(path).suffix == ".gz"
     opener = gzip.open if gzipped else open
     with opener(path, "rt", encoding="utf-8", errors=errors) as f:
         for lineno, line in enumerate(f, 1):
@@ -30,7 +33,7 @@ def iter_jsonl_lines(
             yield lineno, line, value
 
 
-def iter_jsonl(path: Path, gzipped: bool = False) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(path: Path, gzipped: bool | None = None) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) for every non-blank line (`iter_jsonl_lines`)."""
     for lineno, _, value in iter_jsonl_lines(path, gzipped):
         yield lineno, value

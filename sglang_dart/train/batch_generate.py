@@ -151,7 +151,7 @@ def _known_prompts(paths: list[Path]) -> set[str]:
     known = set()
     for path in paths:
         if path.exists():
-            rows = iter_jsonl(path, gzipped=path.suffix == ".gz")
+            rows = iter_jsonl(path)
             known |= {row["prompt"] for _, row in rows if isinstance(row, dict) and "prompt" in row}
     return known
 

@@ -140,7 +140,7 @@ def read_sequences(path: Path, tokenizer: Any, max_len: int) -> Sequences:
     max_len; DataFormatError naming file and line."""
     out = Sequences()
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    for line_no, row in iter_jsonl(path, gzipped=path.suffix == ".gz"):
+    for line_no, row in iter_jsonl(path):
         # A row with input_ids is read from them (a generated conversation records its turns too).
         chat = isinstance(row, dict) and "input_ids" not in row
         chat = chat and ("messages" in row or "conversations" in row)

@@ -354,7 +354,7 @@ def answered_conversations(
     `messages`, or its single `prompt` turn, then the answer), and the rows left out by reason (cut off by
     the token budget, empty)."""
     conversations, skipped = [], Counter()
-    for _, row in iter_jsonl(path, gzipped=path.suffix == ".gz"):
+    for _, row in iter_jsonl(path):
         if not isinstance(row, dict) or not {"prompt", "input_ids", "prompt_len"} <= row.keys():
             raise ValueError(f"{path}: a row without prompt/input_ids/prompt_len (not written by generate)")
         messages = row.get("messages", [{"role": "user", "content": row["prompt"]}])

@@ -48,7 +48,7 @@ def parse_part(spec: str) -> Part:
 def row_lines(path: Path) -> list[str]:
     """The file's non-blank lines, each ending in a newline; ValueError naming a line that is not JSON or
     not UTF-8 (rows are copied, so nothing is replaced)."""
-    rows = iter_jsonl_lines(path, gzipped=path.suffix == ".gz", errors="strict")
+    rows = iter_jsonl_lines(path, errors="strict")
     return [line if line.endswith("\n") else line + "\n" for _, line, _ in rows]
 
 
