@@ -68,27 +68,16 @@ def load_target(target_dir: Path | str, dtype: torch.dtype | None = None):
     return model.eval()
 
 
-@torch.inference_mode()
 def sequence_features(target, input_ids: list[int], soft_labels: int = 0) -> SequenceFeatures:
-    ids = torch.tensor([input_ids], dtype=torch.long, device=target.device)
-    out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
-    layers = tap_layers(target.config.num_hidden_layers)
-    taps = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
-    logits = out.logits[0]
-    soft_ids = soft_probs = None
-    if soft_labels > 0:
-        top = torch.softmax(logits.float(), dim=-1).topk(min(soft_labels, logits.shape[-1]), dim=-1)
-        soft_ids, soft_probs = top.indices.to(torch.int32).cpu(), top.values.to(torch.bfloat16).cpu()
-    # kept on the host (a run's features outgrow an accelerator's memory), moved per step when training
-    return SequenceFeatures(
-        ids[0].cpu(), taps.to(torch.bfloat16).cpu(), logits.argmax(-1).cpu(), soft_ids, soft_probs
-    )
+    """One sequence's features: `batch_features` of a batch of one."""
+    return batch_features(target, [input_ids], soft_labels)[0]
 
 
 @torch.inference_mode()
 def batch_features(target, sequences: list[list[int]], soft_labels: int = 0) -> list[SequenceFeatures]:
-    """`sequence_features` of several sequences from one forward (an accelerator's way: one sequence at a
-    time leaves it idle between kernel launches). They are right-padded: under causal attention a real
+    """The features of several sequences from one forward (an accelerator's way: one sequence at a time
+    leaves it idle between kernel launches), kept on the host (a run's features outgrow an accelerator's
+    memory) and moved per step when training. They are right-padded: under causal attention a real
     position only sees positions before it, all of its own sequence, so its taps and label are what its
     sequence alone gives, up to the rounding of differently shaped products."""
     longest = max(len(ids) for ids in sequences)
@@ -156,10 +145,7 @@ def collect_features(
             missing.append(i)
     done = len(sequences) - len(missing)
     for group in _length_batches(missing, sequences, batch_tokens):
-        if len(group) == 1:
-            computed = [sequence_features(target, sequences[group[0]], soft_labels)]
-        else:
-            computed = batch_features(target, [sequences[i] for i in group], soft_labels)
+        computed = batch_features(target, [sequences[i] for i in group], soft_labels)
         for i, one in zip(group, computed, strict=True):
             if cache is not None:
                 cache.put(one)
