@@ -20,17 +20,15 @@ from pathlib import Path
 import torch
 
 from sglang_dart.train import run_summary
-from sglang_dart.train.__main__ import make_parser, read_sequences
+from sglang_dart.train.__main__ import (
+    ACCELERATOR_FEATURE_BATCH_TOKENS,
+    DEFAULT_DRAFT_VOCAB,
+    make_parser,
+    read_sequences,
+)
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter
 from sglang_dart.train.features import collect_features, load_target
-from sglang_dart.train.trainer import (
-    RowStats,
-    _step_backward,
-    bf16_autocast_pays,
-    packed_sequence_losses,
-    sample_anchors,
-    sequence_loss,
-)
+from sglang_dart.train.trainer import RowStats, _step_backward, bf16_autocast_pays, dart_steps
 from sglang_dart.train.vocab import most_frequent_vocab
 
 
@@ -63,15 +61,16 @@ def main(argv: list[str] | None = None) -> None:
     data = read_sequences(args.data, tokenizer, 1024)
     sequences, starts = data.ids[: args.sequences], data.answer_starts[: args.sequences]
     target = load_target(args.target, getattr(torch, args.target_dtype)).to(device)
-    batch_tokens = 0 if device.type == "cpu" else 16384
+    batch_tokens = 0 if device.type == "cpu" else ACCELERATOR_FEATURE_BATCH_TOKENS
     started = time.monotonic()
     feats = collect_features(
         target, sequences, progress=False, answer_starts=starts, batch_tokens=batch_tokens
     )
     print(f"features of {len(feats)} sequences in {time.monotonic() - started:.0f}s on {device}")
     target = target.cpu()
-    vocab = most_frequent_vocab([f.answer_labels() for f in feats], target.config.vocab_size, 8192)
-    config = draft_config_dict(target.config.to_dict(), 7, vocab.size)
+    labels = [f.answer_labels() for f in feats]
+    vocab = most_frequent_vocab(labels, target.config.vocab_size, DEFAULT_DRAFT_VOCAB)
+    config = draft_config_dict(target.config.to_dict(), train_args.draft_length, vocab.size)
     model = new_drafter(
         config,
         target.get_input_embeddings().weight.detach(),
@@ -80,27 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     model.to(device)
     model.embed_tokens = model.embed_tokens.to(device)
-    on_device = vocab.to(device)
+    sequence_step, batch_step = dart_steps(model, vocab, settings)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     usable = [f for f in feats if f.input_ids.shape[0] >= 3]
-
-    def prepared(f, rng):
-        f = f.to(device)
-        anchors = sample_anchors(
-            f.input_ids.shape[0] - 1, settings.anchors_per_sequence, rng, f.first_anchor()
-        )
-        return f, anchors.to(device)
-
-    def sequence_step(f, rng):
-        f, anchors = prepared(f, rng)
-        result = sequence_loss(model, f, on_device, anchors, settings.row_decay)
-        return result.loss, result.stats
-
-    def batch_step(batch, rng):
-        results = packed_sequence_losses(
-            model, [prepared(f, rng) for f in batch], on_device, settings.row_decay
-        )
-        return [(r.loss, r.stats) for r in results]
 
     def timed(packed: bool, seed: int) -> float:
         rng = random.Random(seed)
@@ -115,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             batch = [usable[order[(step * settings.sequences_per_step + i) % len(order)]]
                      for i in range(settings.sequences_per_step)]  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
-            step = batch_step if packed else None
-            _step_backward(batch, settings, device, sequence_step, rng, RowStats(), step)
+            packing = batch_step if packed else None
+            _step_backward(batch, settings, device, sequence_step, rng, RowStats(), packing)
             optimizer.step()
         _sync(device)
         return args.steps * settings.sequences_per_step / (time.perf_counter() - started)

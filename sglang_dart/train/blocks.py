@@ -133,12 +133,12 @@ def packed_block_logits(
     q, k, v = model.project_qkv(attn_in, torch.cat(position_parts))
     residual = torch.cat(residual_parts)
     rows, contexts, wanted_counts = [], [], []
+    scale = 1.0 / math.sqrt(cfg.head_dim)
     for (start, n, slots), (taps, _, anchors, real_rows) in zip(spans, sequences, strict=True):
         wanted = torch.arange(n, device=taps.device) if real_rows is None else real_rows.to(taps.device)
         wanted = wanted.to(torch.int64)
         end = start + n + slots
         queries = torch.cat([q[start + wanted], q[start + n : end]])
-        scale = 1.0 / math.sqrt(cfg.head_dim)
         context = block_attention(queries, k[start:end], v[start:end], wanted, anchors, d, scale)
         contexts.append(context.to(attn_in.dtype))
         rows.append(torch.cat([start + wanted, torch.arange(start + n, end, device=taps.device)]))

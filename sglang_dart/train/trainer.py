@@ -458,6 +458,16 @@ def train(
     usable = [f for f in data if f.input_ids.shape[0] >= 3]
     if not usable:
         raise ValueError("no training sequence has the 3 tokens an anchor needs")
+    sequence_step, batch_step = dart_steps(model, vocab, settings)
+    return fit(model, usable, settings, sequence_step, log, batch_step=batch_step)
+
+
+def dart_steps(
+    model: DartDrafter, vocab: DraftVocab, settings: TrainSettings
+) -> tuple[SequenceStep, BatchStep]:
+    """What a DART training step runs, one sequence at a time and packed (`fit` takes the packed one;
+    `benchmarks/train_step.py` times both): each sequence moved to the drafter's device, its anchors drawn
+    and its taps noised where asked, in the same order either way."""
     device = model.fc.weight.device
     on_device = vocab.to(device)
 
@@ -494,4 +504,4 @@ def train(
         )
         return [(result.loss, result.stats) for result in results]
 
-    return fit(model, usable, settings, sequence_step, log, batch_step=batch_step)
+    return sequence_step, batch_step
