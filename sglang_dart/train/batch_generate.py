@@ -37,7 +37,7 @@ import torch
 
 from sglang_dart.jsonl import iter_jsonl
 from sglang_dart.train import magpie
-from sglang_dart.train.generate import _read_rows, chat_prompt_ids, stop_token_ids
+from sglang_dart.train.generate import _read_rows, answer_row, chat_prompt_ids, stop_token_ids
 
 # A sampled user turn as generate.py samples it through SGLang.
 MAGPIE_SAMPLING = {"temperature": 1.0, "top_p": 0.99, "max_new_tokens": 96}
@@ -137,13 +137,7 @@ def answer_rows(
         batch = templated[at : at + batch_size]
         answers = continue_batch(model, [ids for _, ids in batch], stop_ids, max_new_tokens)
         for (prompt, ids), (tokens, _) in zip(batch, answers, strict=True):
-            full = ids + tokens
-            yield {
-                "prompt": prompt,
-                "input_ids": full,
-                "prompt_len": len(ids),
-                "text": tokenizer.decode(full),
-            }
+            yield answer_row(tokenizer, prompt, ids, tokens)
 
 
 def _known_prompts(paths: list[Path]) -> set[str]:

@@ -115,22 +115,28 @@ def answers(
     def one(prompt: Prompt) -> dict:
         ids = chat_prompt_ids(tokenizer, prompt)
         out = server.generate({"input_ids": ids, "sampling_params": params}, timeout=3600)
-        full = ids + [int(t) for t in out["output_ids"]]
-        row = {
-            "prompt": _prompt_key(prompt),
-            "input_ids": full,
-            "prompt_len": len(ids),
-            "text": tokenizer.decode(full),
-        }
-        if not isinstance(prompt, str):  # a conversation: its turns, which `prompt` alone does not hold
-            row["messages"] = prompt
-        return row
+        return answer_row(tokenizer, prompt, ids, [int(t) for t in out["output_ids"]])
 
     pool = ThreadPoolExecutor(max_workers=concurrency)
     try:
         yield from pool.map(one, prompts)
     finally:  # an interrupted run stops now: queued prompts are dropped, the server stop ends the rest
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def answer_row(tokenizer: Any, prompt: Prompt, prompt_ids: list[int], answer_ids: list[int]) -> dict:
+    """One output row: the prompt, the templated prompt's ids followed by the answer's, where the answer
+    starts, and the whole as text (a conversation also records its turns)."""
+    full = prompt_ids + answer_ids
+    row = {
+        "prompt": _prompt_key(prompt),
+        "input_ids": full,
+        "prompt_len": len(prompt_ids),
+        "text": tokenizer.decode(full),
+    }
+    if not isinstance(prompt, str):  # a conversation: its turns, which `prompt` alone does not hold
+        row["messages"] = prompt
+    return row
 
 
 def _prompt_key(prompt: Prompt) -> str:
