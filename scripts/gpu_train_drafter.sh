@@ -28,12 +28,8 @@ mkdir -p "$OUT" "$W"
 since() { echo $(( $(date +%s) - T0 )); }
 
 # The target: this call's parts join earlier calls'; until all are here, the call only leaves its own.
-mkdir -p /tmp/payload-parts && cp .gpu/payload/part-* /tmp/payload-parts/ 2>/dev/null
-if [ ! -d /tmp/payload ]; then
-  $PY scripts/offline_payload.py unpack --manifest .gpu/payload/parts.json --parts /tmp/payload-parts \
-    --dest /tmp/payload.tmp || { echo "parts here: $(ls /tmp/payload-parts | tr '\n' ' ')"; exit 0; }
-  mv /tmp/payload.tmp /tmp/payload && rm -rf /tmp/payload-parts
-fi
+$PY scripts/offline_payload.py gather --carried .gpu/payload --store /tmp/payload-parts --dest /tmp/payload \
+  || exit 0
 TARGET=$(dirname "$(ls -d /tmp/payload/*/tokenizer.json | head -1)")
 if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

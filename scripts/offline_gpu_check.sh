@@ -31,12 +31,8 @@ mkdir -p "$OUT"
 # a store) travels as parts over several calls on a warm machine: each call leaves its parts in
 # /tmp/payload-parts; the call that completes them rebuilds the files in /tmp/payload and runs the checks.
 if [ -f .gpu/payload/parts.json ]; then
-    mkdir -p /tmp/payload-parts && cp .gpu/payload/part-* /tmp/payload-parts/ 2>/dev/null
-    if [ ! -d /tmp/payload ]; then
-        $PY scripts/offline_payload.py unpack --manifest .gpu/payload/parts.json --parts /tmp/payload-parts \
-            --dest /tmp/payload.tmp || exit 0  # parts still missing: this call only carried some
-        mv /tmp/payload.tmp /tmp/payload && rm -rf /tmp/payload-parts
-    fi
+    $PY scripts/offline_payload.py gather --carried .gpu/payload --store /tmp/payload-parts \
+        --dest /tmp/payload || exit 0  # parts still missing: this call only carried some
     [ -f /tmp/payload/bundle.tar.xz ] && ln -sf /tmp/payload/bundle.tar.xz .gpu/bundle.tar.xz
 fi
 # A bundle larger than one call carries travels as `split` parts: earlier calls leave theirs in

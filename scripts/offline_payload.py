@@ -9,6 +9,7 @@ once it holds all of them, rebuilds the files (the weights byte for byte, checke
 
     python scripts/offline_payload.py pack --out .gpu/payload --part-mib 60 bundle.tar.xz MODEL_DIR ...
     python scripts/offline_payload.py unpack --manifest .gpu/payload/parts.json --parts DIR --dest DIR
+    python scripts/offline_payload.py gather --carried .gpu/payload --store DIR --dest DIR
 """
 
 from __future__ import annotations
@@ -130,6 +131,25 @@ def unpack(manifest: Path, parts_dir: Path, dest: Path) -> int:
     return 0
 
 
+def gather(carried: Path, store: Path, dest: Path) -> int:
+    """On the host, once a call: the parts this call carried (in `carried`, beside its parts.json) join
+    those earlier calls left in `store`; once all are there, the files are rebuilt in `dest` and the parts
+    dropped. 0 when `dest` holds the payload (rebuilt now or by an earlier call), 1 while parts are
+    missing."""
+    if dest.is_dir():
+        return 0
+    store.mkdir(parents=True, exist_ok=True)
+    for part in carried.glob("part-*"):
+        shutil.copy(part, store / part.name)
+    staging = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)  # a call cut short while rebuilding
+    if unpack(carried / "parts.json", store, staging):
+        return 1
+    staging.rename(dest)
+    shutil.rmtree(store)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -144,10 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--manifest", type=Path, required=True)
     u.add_argument("--parts", type=Path, required=True)
     u.add_argument("--dest", type=Path, required=True)
+    g = sub.add_parser("gather", help="keep this call's parts; rebuild once all are here")
+    g.add_argument("--carried", type=Path, required=True, help="this call's parts and parts.json")
+    g.add_argument("--store", type=Path, required=True, help="where parts wait between calls")
+    g.add_argument("--dest", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.cmd == "pack":
         pack(args.inputs, args.out, args.part_mib, args.split_above_mib)
         return 0
+    if args.cmd == "gather":
+        return gather(args.carried, args.store, args.dest)
     return unpack(args.manifest, args.parts, args.dest)
 
 

@@ -72,3 +72,26 @@ def test_missing_and_corrupt_parts_are_reported(tmp_path: Path) -> None:
         fh.write(b"\xff\xfe")
     with pytest.raises(SystemExit, match="corrupt"):
         payload.unpack(out / "parts.json", parts, tmp_path / "dest")
+
+
+def test_gather_keeps_each_calls_parts_and_rebuilds_once_all_are_there(tmp_path: Path) -> None:
+    payload = _payload_module()
+    src = tmp_path / "blob.bin"
+    src.write_bytes(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes())
+    out = tmp_path / "payload"
+    payload.pack([src], out, part_mib=1)
+    names = [p["name"] for p in json.loads((out / "parts.json").read_text())["parts"]]
+    store, dest = tmp_path / "store", tmp_path / "dest"
+    for i, name in enumerate(names):  # one call per part, each carrying its part beside the manifest
+        carried = tmp_path / f"call{i}"
+        carried.mkdir()
+        shutil.copy(out / "parts.json", carried)
+        shutil.copy(out / name, carried)
+        done = payload.gather(carried, store, dest)
+        if i < len(names) - 1:
+            assert (
+                done == 1 and not dest.exists() and sorted(p.name for p in store.iterdir()) == names[: i + 1]
+            )
+    assert done == 0 and (dest / "blob.bin").read_bytes() == src.read_bytes() and not store.exists()
+    assert payload.gather(tmp_path / "call0", store, dest) == 0  # a later call finds it rebuilt
+    assert not store.exists()
