@@ -4,17 +4,24 @@
 #   1. more answers: Magpie prompts the target samples itself under four framings (chat, explanations,
 #      general knowledge, code; data/smollm2-answers/README.md) and its greedy float32 answers
 #      (python -m sglang_dart.train.batch_generate), none a benchmark prompt or a committed answer's;
-#   2. DART drafters trained from scratch side by side on the one GPU: `committed` on every committed
-#      answer (from the start), `more` on those and the new answers (once they are written);
-#   3. back in $OUT: the drafters cast to bf16, the new answers (gzip) and the logs, as back.tar.part-*
-#      (15 MiB each; a call returns at most 8 files of 16 MiB): `cat back.tar.part-* | tar -x`.
+#   0. first (BENCH=1, the default): benchmarks/train_step.py on the GPU, a packed step against one
+#      sequence at a time on the same features (bench.log);
+#   2. DART drafters trained side by side on the one GPU: `committed` on every committed answer (from the
+#      start), `more` on those and the new answers (once they are written), both with TRAIN_ARGS (from
+#      scratch unless it holds an --init); with SCRATCH=1 also `scratch`, from scratch at lr 1e-3 on the
+#      committed answers (from the start);
+#   3. back in $OUT: the drafters cast to bf16, the new answers (gzip), the prompts sampled but not answered
+#      and the logs, packed by `scripts/offline_payload.py pack` (bf16 weights split, so three drafters
+#      fit the 64 MiB a call returns) as part-* and parts.json:
+#      `python scripts/offline_payload.py unpack --manifest DIR/parts.json --parts DIR --dest back`.
 # Carried: .gpu/payload (`scripts/offline_payload.py pack --part-mib 56 MODEL_DIR`: the target with its
 # real weights; parts may come in earlier calls on the same warm machine, each left in /tmp/payload-parts),
 # .whl (this machine's transformers and tokenizers wheels, so that the host runs the versions the tests here
 # check) and .gpu/bench_prompts.txt (`python benchmarks/bench_prompts.py --exclude-file ...`).
 #   OUT=$OUT DEADLINE=<the call's timeout_s> bash scripts/gpu_train_drafter.sh
 # Knobs: MAGPIE (prompts to sample, default 12000), GEN_SECONDS (generation's budget, default 150),
-# BATCH (sequences per generate call, default 1024), NEW_TOKENS (an answer's most, default 256), TRAIN_ARGS (more options for both trainings),
+# BATCH (sequences per generate call, default 1024), NEW_TOKENS (an answer's most, default 256), TRAIN_ARGS (more
+# options for `committed` and `more`), BENCH (0: no benchmark), BENCH_SEQUENCES (its answers, default 256), SCRATCH (1: the third arm),
 # DEVICE (default cuda; cpu, with PY and a small data/, runs the whole script as a smoke test here).
 set -u
 cd "$(dirname "$0")/.."
@@ -41,17 +48,28 @@ echo "target $TARGET ready after $(since)s; $(nproc) cores"
 
 # Trainings end by END, then their held-out estimates, the casts and the packing fit before DEADLINE.
 END=$(( DEADLINE - 75 ))
-train() {  # ARM DATA FEATURE_SECONDS: from scratch until END, its feature pass allowed FEATURE_SECONDS
-  local minutes
+if [ "${BENCH:-1}" = 1 ]; then  # the packed step's gain where training runs, before anything shares the GPU
+  zcat data/smollm2-answers/*.jsonl.gz | head -n 512 > "$W/bench.jsonl"
+  timeout -k 5 90 $PY benchmarks/train_step.py --target "$TARGET" --data "$W/bench.jsonl" --device "$DEVICE" \
+    --sequences "${BENCH_SEQUENCES:-256}" --sequences-per-step 32 --steps 5 --rounds 3 > "$W/bench.log" 2>&1
+  echo "benchmark rc=$? after $(since)s"; tail -n 5 "$W/bench.log"
+fi
+
+train() {  # ARM DATA FEATURE_SECONDS ARGS...: until END, its feature pass allowed FEATURE_SECONDS
+  local minutes arm=$1 data=$2
   minutes=$($PY -c "print(round(max(0.5, ($END - $(since) - $3) / 60), 2))")
-  echo "training $1 on $(wc -l < "$2") answers for $minutes minutes, from $(since)s"
-  exec $PY -m sglang_dart.train --target "$TARGET" --data "$2" --out "$W/$1" --target-dtype bfloat16 \
+  shift 3
+  echo "training $arm on $(wc -l < "$data") answers for $minutes minutes, from $(since)s: $*"
+  exec $PY -m sglang_dart.train --target "$TARGET" --data "$data" --out "$W/$arm" --target-dtype bfloat16 \
     --device "$DEVICE" --max-minutes "$minutes" --max-steps 1000000 --sequences-per-step 32 \
-    ${TRAIN_ARGS:-} > "$W/train-$1.log" 2>&1
+    "$@" > "$W/train-$arm.log" 2>&1
 }
 zcat data/smollm2-answers/*.jsonl.gz > "$W/committed.jsonl"
-train committed "$W/committed.jsonl" 40 &
+# shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
+train committed "$W/committed.jsonl" 40 ${TRAIN_ARGS:-} &
 COMMITTED=$!
+SCRATCH_PID=
+if [ "${SCRATCH:-0}" = 1 ]; then train scratch "$W/committed.jsonl" 40 --lr 1e-3 & SCRATCH_PID=$!; fi
 
 CODE="You are an expert programming assistant. Users ask you to write, complete, fix, explain and review code in \
 Python, JavaScript, TypeScript, C, C++, Rust, Go, Java, SQL and shell scripts."
@@ -73,14 +91,16 @@ timeout -k 10 $(( GEN_SECONDS + 60 )) $PY -m sglang_dart.train.batch_generate --
 echo "generation rc=$? after $(since)s: $(wc -l < "$W/gpu-magpie.jsonl" 2>/dev/null) answers"; tail -n 3 "$W/generate.log"
 cat "$W/committed.jsonl" "$W/gpu-magpie.jsonl" > "$W/more.jsonl" 2>/dev/null
 MORE=
-if [ -s "$W/gpu-magpie.jsonl" ]; then train more "$W/more.jsonl" 60 & MORE=$!; fi
+# shellcheck disable=SC2086
+if [ -s "$W/gpu-magpie.jsonl" ]; then train more "$W/more.jsonl" 60 ${TRAIN_ARGS:-} & MORE=$!; fi
 
 # A first SIGTERM makes a trainer save after its step (and skip its estimate): a late one still comes back.
 # (Its output goes nowhere: a sleeper holding this script's stdout could hold the call open.)
-( sleep $(( END + 30 - $(since) )); kill -TERM $COMMITTED $MORE ) > /dev/null 2>&1 &
+( sleep $(( END + 30 - $(since) )); kill -TERM $COMMITTED $MORE $SCRATCH_PID ) > /dev/null 2>&1 &
 STOPPER=$!
 wait $COMMITTED; echo "committed rc=$? after $(since)s"
 [ -n "$MORE" ] && { wait "$MORE"; echo "more rc=$? after $(since)s"; }
+[ -n "$SCRATCH_PID" ] && { wait "$SCRATCH_PID"; echo "scratch rc=$? after $(since)s"; }
 kill $STOPPER 2>/dev/null
 for log in "$W"/train-*.log; do
   echo "== $log"; grep -E "features of|time budget|stopped by|saved|estimated|top-1 chain" "$log" | tail -n 6
@@ -88,10 +108,11 @@ for log in "$W"/train-*.log; do
 done
 
 mkdir -p /tmp/back
-for arm in committed more; do
+for arm in committed more scratch; do
   [ -f "$W/$arm/config.json" ] && $PY scripts/cast_drafter.py "$W/$arm" "/tmp/back/$arm"
 done
 [ -s "$W/gpu-magpie.jsonl" ] && gzip -c "$W/gpu-magpie.jsonl" > /tmp/back/gpu-magpie.jsonl.gz
+[ -s "$W/gpu-magpie.jsonl.magpie.jsonl" ] && gzip -c "$W/gpu-magpie.jsonl.magpie.jsonl" > /tmp/back/unanswered.magpie.jsonl.gz
 cp "$W"/*.log /tmp/back/
-(cd /tmp/back && tar -cf - .) | split -b 15M - "$OUT/back.tar.part-"
+$PY scripts/offline_payload.py pack --out "$OUT" --part-mib 15 --split-above-mib 8 /tmp/back
 echo "done after $(since)s"; ls -l "$OUT"

@@ -31,12 +31,23 @@ def test_round_trip_rebuilds_bf16_weights_byte_for_byte(tmp_path: Path) -> None:
     save_file({"w": torch.randn(1024, 1024).to(torch.bfloat16), "b": torch.randn(11).to(torch.bfloat16)},
               model / "model.safetensors")  # fmt: skip
     (model / "config.json").write_text('{"a": 1}')
+    # A drafter's weights: its vocabulary maps (int64, an odd count of bools) beside mostly bf16.
+    drafter = tmp_path / "src" / "drafter"
+    drafter.mkdir()
+    save_file({"w": torch.randn(512, 512).to(torch.bfloat16), "d2t": torch.arange(64),
+               "t2d": torch.rand(1001) > 0.5}, drafter / "model.safetensors")  # fmt: skip
+    # And one whose int64 tensors outweigh its bf16: it travels whole.
+    ids = tmp_path / "src" / "ids"
+    ids.mkdir()
+    save_file({"ids": torch.arange(100_000), "w": torch.randn(8).to(torch.bfloat16)},
+              ids / "model.safetensors")  # fmt: skip
     store = tmp_path / "src" / "answers.store"
     store.write_bytes(bytes(range(256)) * 50)
     out = tmp_path / "payload"
-    payload.pack([model, store], out, part_mib=1, split_above_mib=0)
+    payload.pack([model, drafter, ids, store], out, part_mib=1, split_above_mib=0)
     spec = json.loads((out / "parts.json").read_text())
-    assert list(spec["rebuilt"]) == ["model/model.safetensors"]  # the weights travelled split
+    # The bf16 weights travelled split, the drafter's too; the mostly int64 file whole.
+    assert sorted(spec["rebuilt"]) == ["drafter/model.safetensors", "model/model.safetensors"]
     assert len(spec["parts"]) >= 2
 
     parts = tmp_path / "parts"
@@ -50,6 +61,9 @@ def test_round_trip_rebuilds_bf16_weights_byte_for_byte(tmp_path: Path) -> None:
     assert payload.unpack(out / "parts.json", parts, tmp_path / "dest") == 0
     dest = tmp_path / "dest"
     assert (dest / "model" / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+    for name in ("drafter", "ids"):
+        source = tmp_path / "src" / name / "model.safetensors"
+        assert (dest / name / "model.safetensors").read_bytes() == source.read_bytes()
     assert (dest / "model" / "config.json").read_text() == '{"a": 1}'
     assert (dest / "answers.store").read_bytes() == store.read_bytes()
     assert not (dest / "model" / "model.safetensors.bf16split").exists()
