@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 28's drafter compute on a lent GPU host (torch and transformers, no SGLang, no network), in one
 # device call once the target's weights are there:
+#   0. (BENCH=1, the default) benchmarks/train_step.py on the GPU: a packed step against one sequence at a
+#      time on the same features (bench.log), before anything else shares the GPU;
 #   1. more answers: Magpie prompts the target samples itself under four framings (chat, explanations,
 #      general knowledge, code; data/smollm2-answers/README.md) and its greedy float32 answers
-#      (python -m sglang_dart.train.batch_generate), none a benchmark prompt or a committed answer's;
-#   0. first (BENCH=1, the default): benchmarks/train_step.py on the GPU, a packed step against one
-#      sequence at a time on the same features (bench.log);
+#      (python -m sglang_dart.train.batch_generate), none a benchmark prompt or a committed answer's; the
+#      prompts committed in data/smollm2-answers/unanswered/ (sampled by an earlier run) are answered first;
 #   2. DART drafters trained side by side on the one GPU: `committed` on every committed answer (from the
 #      start), `more` on those and the new answers (once they are written), both with TRAIN_ARGS (from
 #      scratch unless it holds an --init); with SCRATCH=1 also `scratch`, from scratch at lr 1e-3 on the
@@ -20,8 +21,10 @@
 # check) and .gpu/bench_prompts.txt (`python benchmarks/bench_prompts.py --exclude-file ...`).
 #   OUT=$OUT DEADLINE=<the call's timeout_s> bash scripts/gpu_train_drafter.sh
 # Knobs: MAGPIE (prompts to sample, default 12000), GEN_SECONDS (generation's budget, default 150),
-# BATCH (sequences per generate call, default 1024), NEW_TOKENS (an answer's most, default 256), TRAIN_ARGS (more
-# options for `committed` and `more`), BENCH (0: no benchmark), BENCH_SEQUENCES (its answers, default 256), SCRATCH (1: the third arm),
+# BATCH (sequences per generate call, default 1024), NEW_TOKENS (an answer's most, default 256),
+# SEED (Magpie's sampling, default 83; give each run a new one: a seed used before samples many of the same
+# prompts again, which are then dropped as already answered), TRAIN_ARGS (more options for `committed` and
+# `more`), SCRATCH (1: the third arm), BENCH (0: no benchmark), BENCH_SEQUENCES (its answers, default 256),
 # DEVICE (default cuda; cpu, with PY and a small data/, runs the whole script as a smoke test here).
 set -u
 cd "$(dirname "$0")/.."
@@ -83,11 +86,16 @@ CHAT="You are a helpful, friendly assistant. People come to you for all kinds of
 recommendations, explanations of ideas, plans and schedules, emails and letters, short stories and poems, \
 summaries, comparisons, opinions, and step-by-step instructions."
 GEN_SECONDS=${GEN_SECONDS:-150}
+# Prompts an earlier run sampled but did not answer (committed in data/smollm2-answers/unanswered/) are
+# answered first; those answered since are skipped by batch_generate.
+if ls data/smollm2-answers/unanswered/*.jsonl.gz > /dev/null 2>&1; then
+  zcat data/smollm2-answers/unanswered/*.jsonl.gz > "$W/gpu-magpie.jsonl.magpie.jsonl"
+fi
 timeout -k 10 $(( GEN_SECONDS + 60 )) $PY -m sglang_dart.train.batch_generate --target "$TARGET" \
   --out "$W/gpu-magpie.jsonl" --magpie "${MAGPIE:-12000}" --magpie-system "$CHAT" --magpie-system "$EXPLAIN" \
   --magpie-system "$KNOW" --magpie-system "$CODE" --exclude-file .gpu/bench_prompts.txt \
   --exclude-data data/smollm2-answers/*.jsonl.gz --device "$DEVICE" --dtype float32 --batch-size "${BATCH:-1024}" --max-new-tokens "${NEW_TOKENS:-256}" \
-  --max-seconds "$GEN_SECONDS" --seed 82 > "$W/generate.log" 2>&1
+  --max-seconds "$GEN_SECONDS" --seed "${SEED:-83}" > "$W/generate.log" 2>&1
 echo "generation rc=$? after $(since)s: $(wc -l < "$W/gpu-magpie.jsonl" 2>/dev/null) answers"; tail -n 3 "$W/generate.log"
 cat "$W/committed.jsonl" "$W/gpu-magpie.jsonl" > "$W/more.jsonl" 2>/dev/null
 MORE=
