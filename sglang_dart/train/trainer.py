@@ -59,11 +59,28 @@ class RowStats:
     def accuracy(self) -> list[float]:
         return [c / t if t else 0.0 for c, t in zip(self.correct, self.total, strict=True)]
 
+    @classmethod
+    def of_tally(cls, tally: list[list[float]]) -> RowStats:
+        """From a [labels per row, top-1 hits per row] tally read off the device; rows without a label
+        are left out, as `add` never saw them."""
+        stats = cls()
+        for row, (total, right) in enumerate(zip(*tally, strict=True)):
+            if total:
+                stats.add(row, int(right), int(total))
+        return stats
+
 
 @dataclass
 class SequenceLoss:
+    """A sequence's loss and its top-1 tally per draft row, [2, rows] (labels, hits) where the loss was
+    computed: reading it is a host sync, so a packed step reads all its sequences' tallies at once."""
+
     loss: torch.Tensor
-    stats: RowStats
+    tally: torch.Tensor
+
+    @property
+    def stats(self) -> RowStats:
+        return RowStats.of_tally(self.tally.tolist())
 
 
 def top1_hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -244,24 +261,21 @@ def _loss_of_logits(
         draft_ids = vocab.t2d[feats.soft_ids[positions].long()]
         soft = soft_cross_entropy(logits, draft_ids, feats.soft_probs[positions])
         per_token = (1 - soft_weight) * per_token + soft_weight * torch.where(keep, soft, 0.0)
-    # Per draft row sums by index_add (a boolean index would cost a host sync on a GPU), then one read.
+    # Per draft row sums by index_add (a boolean index would cost a host sync on a GPU); nothing here is
+    # read on the host (the tally is read by whoever steps, once for all of a step's sequences).
     zeros = torch.zeros(d + 1, dtype=per_token.dtype, device=per_token.device)
     sums = zeros.index_add(0, row_of, per_token)
     with torch.no_grad():
         counts = zeros.index_add(0, row_of, keep.to(zeros.dtype))
         correct = zeros.index_add(0, row_of, top1_hits(logits, targets).to(zeros.dtype))
-        totals, rights = torch.stack([counts, correct]).tolist()
-    stats = RowStats()
-    for row, (right, total) in enumerate(zip(rights, totals, strict=True)):
-        if total:
-            stats.add(row, int(right), int(total))
-    if not any(totals):  # every label fell outside the draft vocabulary: nothing to learn here
-        return SequenceLoss(out.all.sum() * 0.0, stats)
     present = counts > 0
     decay = row_decay ** torch.arange(d + 1, device=sums.device, dtype=sums.dtype)
     weights = torch.where(present, decay, 0.0)
     row_means = sums / counts.clamp(min=1)
-    return SequenceLoss((row_means * weights).sum() / weights.sum(), stats)
+    # Where every label fell outside the draft vocabulary, all weights are 0 and so is the loss (its
+    # gradient too): the clamp only keeps 0/0 out, a present row weighs at least row_decay^d.
+    loss = (row_means * weights).sum() / weights.sum().clamp(min=1e-12)
+    return SequenceLoss(loss, torch.stack([counts, correct]))
 
 
 def _duration(seconds: float) -> str:
@@ -502,6 +516,7 @@ def dart_steps(
         results = packed_sequence_losses(
             model, ready, on_device, settings.row_decay, settings.soft_weight, settings.greedy_chains_only
         )
-        return [(result.loss, result.stats) for result in results]
+        tallies = torch.stack([result.tally for result in results]).tolist()  # the step's one host read
+        return [(r.loss, RowStats.of_tally(t)) for r, t in zip(results, tallies, strict=True)]
 
     return sequence_step, batch_step

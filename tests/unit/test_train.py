@@ -318,6 +318,27 @@ def test_packed_forwards_give_each_sequences_own_loss_and_gradients(soft_weight,
         )
 
 
+@pytest.mark.parametrize(("soft_weight", "greedy_chains_only"), [(0.0, False), (0.0, True), (0.5, False)])
+def test_a_packed_steps_losses_read_nothing_back_to_the_host(soft_weight, greedy_chains_only):
+    """On a GPU a value read on the host waits for the device: a packed step reads its sequences' tallies
+    once (`dart_steps`), and their losses need no read at all. On torch's meta device, where reading any
+    value raises, every sequence's loss and tally still come out."""
+    from sglang_dart.train.trainer import packed_sequence_losses
+
+    model, _, vocab = _drafter(vocab_size=30)
+    batch = [*_copy_task(count=1, length=14, seed=3), *_copy_task(count=1, length=9, seed=3, sequence_seed=1)]
+    for feats in batch:
+        n = feats.labels.shape[0]
+        feats.soft_ids = feats.labels.unsqueeze(1).repeat(1, 2).to(torch.int32)
+        feats.soft_probs = torch.full((n, 2), 0.5, dtype=torch.bfloat16)
+    on_meta = [(feats.to("meta"), torch.tensor([1, 4]).to("meta")) for feats in batch]
+    model.to("meta")
+    model.embed_tokens = model.embed_tokens.to("meta")  # as the trainer moves it (not a parameter)
+    results = packed_sequence_losses(model, on_meta, vocab.to("meta"), 0.8, soft_weight, greedy_chains_only)
+    assert [r.loss.device.type for r in results] == ["meta", "meta"]
+    assert [tuple(r.tally.shape) for r in results] == [(2, model.cfg.draft_length + 1)] * 2
+
+
 def test_draft_vocab_keeps_most_frequent_labels():
     labels = [torch.tensor([5] * 10 + [7] * 5 + [1] * 2 + [3])]
     vocab = most_frequent_vocab(labels, 10, 3)
