@@ -120,7 +120,9 @@ for arm in committed more scratch; do
   [ -f "$W/$arm/config.json" ] && $PY scripts/cast_drafter.py "$W/$arm" "/tmp/back/$arm"
 done
 [ -s "$W/gpu-magpie.jsonl" ] && gzip -c "$W/gpu-magpie.jsonl" > /tmp/back/gpu-magpie.jsonl.gz
-[ -s "$W/gpu-magpie.jsonl.magpie.jsonl" ] && gzip -c "$W/gpu-magpie.jsonl.magpie.jsonl" > /tmp/back/unanswered.magpie.jsonl.gz
+# batch_generate's side file: while any prompt waits unanswered, every prompt sampled (the answered ones
+# are in gpu-magpie.jsonl: drop them before committing the rest to data/smollm2-answers/unanswered/).
+[ -s "$W/gpu-magpie.jsonl.magpie.jsonl" ] && gzip -c "$W/gpu-magpie.jsonl.magpie.jsonl" > /tmp/back/sampled.magpie.jsonl.gz
 cp "$W"/*.log /tmp/back/
 $PY scripts/offline_payload.py pack --out "$OUT" --part-mib 15 --split-above-mib 8 /tmp/back
 echo "done after $(since)s"; ls -l "$OUT"
