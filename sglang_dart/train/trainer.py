@@ -273,7 +273,7 @@ def _loss_of_logits(
     weights = torch.where(present, decay, 0.0)
     row_means = sums / counts.clamp(min=1)
     # Where every label fell outside the draft vocabulary, all weights are 0 and so is the loss (its
-    # gradient too): the clamp only keeps 0/0 out, a present row weighs at least row_decay^d.
+    # gradient too): the clamp keeps 0/0 out and is far below any present row's weight.
     loss = (row_means * weights).sum() / weights.sum().clamp(min=1e-12)
     return SequenceLoss(loss, torch.stack([counts, correct]))
 
