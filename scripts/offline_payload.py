@@ -37,16 +37,20 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _is_bf16_safetensors(path: Path) -> bool:
+def _mostly_bf16_safetensors(path: Path) -> bool:
     """Whether bf16 tensors hold at least 90% of the file's tensor bytes (a drafter's int64 and bool
     vocabulary maps beside them too): the split itself is lossless for any bytes, and it only pays where
     most of them are bf16."""
     with path.open("rb") as fh:
         size = struct.unpack("<Q", fh.read(8))[0]
         header = json.loads(fh.read(size))
-    spans = [v for k, v in header.items() if k != "__metadata__"]
-    total = sum(end - begin for begin, end in (v["data_offsets"] for v in spans))
-    bf16 = sum(end - begin for v in spans if v["dtype"] == "BF16" for begin, end in [v["data_offsets"]])
+    sizes = [
+        (v["dtype"], v["data_offsets"][1] - v["data_offsets"][0])
+        for k, v in header.items()
+        if k != "__metadata__"
+    ]
+    total = sum(size for _, size in sizes)
+    bf16 = sum(size for dtype, size in sizes if dtype == "BF16")
     return total > 0 and bf16 >= 0.9 * total
 
 
@@ -93,7 +97,7 @@ def pack(inputs: list[Path], out: Path, part_mib: int, split_above_mib: int = 64
                 for f in files:
                     name = f.relative_to(item.parent).as_posix()
                     big = f.stat().st_size > split_above_mib << 20
-                    if f.name.endswith(".safetensors") and big and _is_bf16_safetensors(f):
+                    if f.name.endswith(".safetensors") and big and _mostly_bf16_safetensors(f):
                         split_dir = Path(tmp) / (name + SPLIT_SUFFIX)
                         rebuilt[name] = split_bf16(f, split_dir)
                         tar.add(split_dir, arcname=name + SPLIT_SUFFIX)

@@ -69,13 +69,18 @@ def test_round_trip_rebuilds_bf16_weights_byte_for_byte(tmp_path: Path) -> None:
     assert not (dest / "model" / "model.safetensors.bf16split").exists()
 
 
-def test_missing_and_corrupt_parts_are_reported(tmp_path: Path) -> None:
-    payload = _payload_module()
+def _packed_blob(payload, tmp_path: Path) -> tuple[Path, Path, dict]:  # noqa: ANN001 - the script module
+    """3 MiB of random bytes packed in 1 MiB parts: the source, the parts' folder and their manifest."""
     src = tmp_path / "blob.bin"
     src.write_bytes(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes())
     out = tmp_path / "payload"
     payload.pack([src], out, part_mib=1)
-    spec = json.loads((out / "parts.json").read_text())
+    return src, out, json.loads((out / "parts.json").read_text())
+
+
+def test_missing_and_corrupt_parts_are_reported(tmp_path: Path) -> None:
+    payload = _payload_module()
+    _, out, spec = _packed_blob(payload, tmp_path)
     assert len(spec["parts"]) >= 3 and spec["rebuilt"] == {}
     parts = tmp_path / "parts"
     shutil.copytree(out, parts)
@@ -90,11 +95,8 @@ def test_missing_and_corrupt_parts_are_reported(tmp_path: Path) -> None:
 
 def test_gather_keeps_each_calls_parts_and_rebuilds_once_all_are_there(tmp_path: Path) -> None:
     payload = _payload_module()
-    src = tmp_path / "blob.bin"
-    src.write_bytes(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes())
-    out = tmp_path / "payload"
-    payload.pack([src], out, part_mib=1)
-    names = [p["name"] for p in json.loads((out / "parts.json").read_text())["parts"]]
+    src, out, spec = _packed_blob(payload, tmp_path)
+    names = [p["name"] for p in spec["parts"]]
     store, dest = tmp_path / "store", tmp_path / "dest"
     for i, name in enumerate(names):  # one call per part, each carrying its part beside the manifest
         carried = tmp_path / f"call{i}"
