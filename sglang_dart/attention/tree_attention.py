@@ -29,8 +29,14 @@ SCORE_BLOCK_BYTES = 256 << 20
 # each KV head once per query head; folded, a task per (request, KV head) reads it once for all of its
 # heads. SmolLM2's shape (9 query heads, 3 KV heads, bf16, 2 threads, 300 cached tokens): 16 requests x
 # 4 verify tokens 0.58 -> 0.32 ms a layer, 8 x 4 0.28 -> 0.16, 16 decode tokens 0.26 -> 0.23; with one
-# or two requests level or slower (one request, one token: 0.024 -> 0.046 ms).
+# or two requests level or slower in float32 (one request, one token: 0.024 -> 0.046 ms).
 FOLD_HEADS_MIN_REQUESTS = 4
+# In bf16, folding pays from one request on while it has few queries: torch's bf16 CPU SDPA costs about
+# 20 us per (request, query head) task whatever its size. SDPA alone, one query, 300 cached tokens, 2
+# threads, an AVX512-BF16 EPYC (session 84): with GQA 0.18 ms, folded 0.04 (float32: 0.030 and 0.039).
+# `attend` whole, one request: one token 0.24-0.33 -> 0.11-0.18 ms a layer; 3 / 5 / 9 queries 0.88x /
+# 0.95x / 1.00x; a 200-token prefill 1.04x. So in bf16 up to this many queries per request fold.
+FOLD_HEADS_MAX_BF16_QUERIES = 8
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -238,7 +244,7 @@ def attend(
     capped = bool(logit_cap and logit_cap > 0)
     group = queries.shape[2] // kp.shape[1]
     block = query_block(bs, queries.shape[2], width_q, kp.shape[2])
-    if block >= width_q and group > 1 and not capped and bs >= FOLD_HEADS_MIN_REQUESTS and q.is_cpu:
+    if block >= width_q and group > 1 and not capped and q.is_cpu and _folds(bs, width_q, compute):
         folded_mask = mask.repeat(1, 1, group, 1) if windowed else plan.folded_mask(group)
         res = _fold_heads(queries, kp, vp, folded_mask, scaling)
     else:
@@ -266,6 +272,12 @@ def query_block(bs: int, heads: int, width_q: int, width_k: int) -> int:
     SCORE_BLOCK_BYTES (at least one query)."""
     per_query = max(1, bs * heads * width_k * 4)
     return max(1, min(width_q, SCORE_BLOCK_BYTES // per_query))
+
+
+def _folds(bs: int, width_q: int, compute: torch.dtype) -> bool:
+    """Whether a CPU attends with the heads folded (`_fold_heads`): measured faster for these shapes."""
+    few_bf16_queries = compute == torch.bfloat16 and width_q <= FOLD_HEADS_MAX_BF16_QUERIES
+    return bs >= FOLD_HEADS_MIN_REQUESTS or few_bf16_queries
 
 
 def _fold_heads(

@@ -394,7 +394,8 @@ def test_long_chunks_attend_in_blocks_with_the_same_result(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the query heads of a KV head folded into its query rows (on a CPU, from FOLD_HEADS_MIN_REQUESTS requests)
+# the query heads of a KV head folded into its query rows (on a CPU, from FOLD_HEADS_MIN_REQUESTS requests;
+# in bf16 at any batch size while requests have at most FOLD_HEADS_MAX_BF16_QUERIES queries)
 
 FOLD_CASES = [
     ([5, 11, 2, 8], [4, 4, 4, 4]),  # dense: verify trees of 4
@@ -440,7 +441,7 @@ def test_folded_heads_equal_the_reference_and_the_unfolded_call(
     assert len(calls) <= 1
 
 
-def test_heads_are_not_folded_for_few_requests_or_a_logit_cap(monkeypatch):
+def test_heads_are_not_folded_in_float32_for_few_requests_or_a_logit_cap(monkeypatch):
     calls = _counting_folds(monkeypatch)
     few = tree_attention.FOLD_HEADS_MIN_REQUESTS - 1
     Case([3] * few, [2] * few, seed=7, heads=9, kv_heads=3).run()
@@ -449,9 +450,39 @@ def test_heads_are_not_folded_for_few_requests_or_a_logit_cap(monkeypatch):
     assert calls == []
 
 
+def _never_fold(monkeypatch) -> None:
+    monkeypatch.setattr(tree_attention, "FOLD_HEADS_MIN_REQUESTS", 10**9)
+    monkeypatch.setattr(tree_attention, "FOLD_HEADS_MAX_BF16_QUERIES", 0)
+
+
 def test_folded_heads_in_bfloat16_match_the_unfolded_call(monkeypatch):
     case = Case([40, 12, 33, 7], [4, 4, 4, 4], seed=9, heads=9, kv_heads=3, head_dim=64)
     full, _ = case.use_random_trees()
     folded = case.run(full, dtype=torch.bfloat16)
-    monkeypatch.setattr(tree_attention, "FOLD_HEADS_MIN_REQUESTS", 10**9)
+    _never_fold(monkeypatch)
     assert torch.equal(folded, case.run(full, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("prefix_lens", "query_lens"),
+    [([37], [1]), ([300], [1]), ([52, 9], [1, 1]), ([64], [8]), ([20, 41, 3], [5, 2, 4])],
+)
+def test_few_bfloat16_queries_fold_from_one_request_on(monkeypatch, prefix_lens, query_lens):
+    """Decode and small trees in bf16 fold at any batch size (FOLD_HEADS_MAX_BF16_QUERIES), and give what
+    the unfolded call gives."""
+    case = Case(prefix_lens, query_lens, seed=11 + sum(prefix_lens), heads=9, kv_heads=3, head_dim=64)
+    full, _ = case.use_random_trees() if max(query_lens) > 1 else (None, None)
+    calls = _counting_folds(monkeypatch)
+    folded = case.run(full, dtype=torch.bfloat16)
+    assert calls == [1]
+    assert_matches(folded, case.reference(dtype=torch.bfloat16), atol=1e-2, rtol=1e-2)
+    _never_fold(monkeypatch)
+    torch.testing.assert_close(folded, case.run(full, dtype=torch.bfloat16))
+    assert calls == [1]
+
+
+def test_a_bfloat16_request_with_more_queries_is_not_folded(monkeypatch):
+    calls = _counting_folds(monkeypatch)
+    over = tree_attention.FOLD_HEADS_MAX_BF16_QUERIES + 1
+    Case([12], [over], seed=13, heads=9, kv_heads=3, head_dim=64).run(dtype=torch.bfloat16)
+    assert calls == []
