@@ -29,7 +29,8 @@ SCORE_BLOCK_BYTES = 256 << 20
 # each KV head once per query head; folded, a task per (request, KV head) reads it once for all of its
 # heads. SmolLM2's shape (9 query heads, 3 KV heads, bf16, 2 threads, 300 cached tokens): 16 requests x
 # 4 verify tokens 0.58 -> 0.32 ms a layer, 8 x 4 0.28 -> 0.16, 16 decode tokens 0.26 -> 0.23; with one
-# or two requests level or slower in float32 (one request, one token: 0.024 -> 0.046 ms).
+# or two requests level or slower as measured then (one request, one token: 0.024 -> 0.046 ms), which
+# float32 still measures and bf16 no longer does (below).
 FOLD_HEADS_MIN_REQUESTS = 4
 # In bf16, folding pays from one request on while it has few queries: torch's bf16 CPU SDPA costs about
 # 20 us per (request, query head) task whatever its size. SDPA alone, one query, 300 cached tokens, 2
