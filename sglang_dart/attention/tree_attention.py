@@ -37,7 +37,7 @@ FOLD_HEADS_MIN_REQUESTS = 4
 # threads, an AVX512-BF16 EPYC (session 84): with GQA 0.18 ms, folded 0.04 (float32: 0.030 and 0.039).
 # `attend` whole, one request: one token 0.24-0.33 -> 0.11-0.18 ms a layer; 3 / 5 / 9 queries 0.88x /
 # 0.95x / 1.00x. Served (throughput run 111, paired), folding up to 8 queries made plain decoding
-# 1.05-1.13x faster and DART's batch-1 verify of 8 queries 0.92-1.01x: so decode and trees of up to 4.
+# 1.05-1.13x as fast and DART, with its batch-1 verify of 8 folded, 0.92-1.01x: so only up to 4.
 FOLD_HEADS_MAX_BF16_QUERIES = 4
 
 
