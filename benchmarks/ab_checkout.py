@@ -7,7 +7,8 @@ measured in turn, every other round in reverse order, so that the VM's drift wei
 
 The other checkout's servers run with PYTHONPATH=DIR, so SGLang's plugin entry point imports its
 sglang_dart (its scheduler processes inherit the path). Greedy, ignore_eos, the `varied` benchmark prompts
-one at a time, bf16, the shipped drafter and store. Prints tokens/s per round and the per-round ratios.
+one at a time after a warm-up (`throughput.py`'s measurement), bf16, the shipped drafter and store. Prints
+tokens/s and CPU time per round and the per-round ratios.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -24,16 +24,12 @@ from sglang_dart.assets import shipped_smollm2_drafter, smollm2_dir
 from sglang_dart.server_process import SglangServer, dart_flags, start_together
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_prompts import VARIED, messages  # noqa: E402
+from bench_prompts import VARIED  # noqa: E402
+from throughput import Measurement, _measure, round_order, round_ratios  # noqa: E402
 
 
-def tokens_per_second(server: SglangServer, prompts: list[str], new_tokens: int) -> float:
-    started, tokens = time.perf_counter(), 0
-    for prompt in prompts:
-        params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-        answer = server.generate({"text": prompt, "sampling_params": params})
-        tokens += answer["meta_info"]["completion_tokens"]
-    return tokens / (time.perf_counter() - started)
+def _ratios(runs: list[Measurement], baseline: list[Measurement], field: str) -> str:
+    return " ".join(f"{x:.3f}" for x in round_ratios(runs, baseline, field))
 
 
 def main() -> None:
@@ -48,10 +44,6 @@ def main() -> None:
         parser.error(f"{args.other}/sglang_dart/_core.abi3.so is missing: copy this checkout's build there")
     model = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [
-        tokenizer.apply_chat_template(messages(c), tokenize=False, add_generation_prompt=True)
-        for c in VARIED[: args.prompts]
-    ]
     draft, store = shipped_smollm2_drafter()
     other = {"PYTHONPATH": str(args.other.resolve())}
     logs = Path(tempfile.mkdtemp(prefix="dart-ab-"))
@@ -64,21 +56,26 @@ def main() -> None:
     print(f"logs in {logs}", flush=True)
     start_together(servers.values())
     try:
-        for server in servers.values():
-            tokens_per_second(server, prompts[:1], 8)  # first-request set-up is not decoding speed
-        rates: dict[str, list[float]] = {name: [] for name in servers}
-        names = list(servers)
+        runs: dict[str, list[Measurement]] = {name: [] for name in servers}
         for round_index in range(args.rounds):
-            for name in names if round_index % 2 == 0 else names[::-1]:
-                rates[name].append(tokens_per_second(servers[name], prompts, args.new_tokens))
-            measured = ", ".join(f"{n} {r[-1]:.1f}" for n, r in rates.items())
-            print(f"round {round_index}: {measured}", flush=True)
+            for name in round_order(list(servers), round_index):
+                # One request at a time, after a warm-up on other prompts (throughput.py's measurement).
+                measured = _measure(
+                    servers[name], tokenizer, 1, args.new_tokens, args.prompts, prompts=VARIED
+                )
+                runs[name].append(measured)
+            line = ", ".join(
+                f"{n} {r[-1].tokens_per_second:.1f} tok/s {r[-1].cpu_ms_per_token:.1f} CPU ms/token"
+                for n, r in runs.items()
+            )
+            print(f"round {round_index}: {line}", flush=True)
         for kind in flags:
-            ratios = [a / b for a, b in zip(rates[f"{kind} this"], rates[f"{kind} other"], strict=True)]
-            print(f"{kind} this/other by round: " + " ".join(f"{x:.3f}" for x in ratios))
+            this, other_runs = runs[f"{kind} this"], runs[f"{kind} other"]
+            print(f"{kind} this/other tokens/s by round: " + _ratios(this, other_runs, "tokens_per_second"))
+            print(f"{kind} other/this CPU time by round: " + _ratios(other_runs, this, "cpu_ms_per_token"))
         for side in ("this", "other"):
-            ratios = [a / b for a, b in zip(rates[f"DART {side}"], rates[f"plain {side}"], strict=True)]
-            print(f"DART/plain, {side}: " + " ".join(f"{x:.3f}" for x in ratios))
+            dart_runs, plain_runs = runs[f"DART {side}"], runs[f"plain {side}"]
+            print(f"DART/plain tokens/s, {side}: " + _ratios(dart_runs, plain_runs, "tokens_per_second"))
     finally:
         for server in servers.values():
             server.stop()
