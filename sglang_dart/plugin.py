@@ -135,13 +135,14 @@ def register() -> None:
     from sglang_dart.cpu import detect
 
     if detect.cpu_engine_active():
-        from sglang_dart.cpu import gemm_tuning, rowwise_ops, skinny_gemm, small_step_threads
+        from sglang_dart.cpu import gemm_tuning, rowwise_ops, rust_attention, skinny_gemm, small_step_threads
         from sglang_dart.cpu.grammar import allow_grammar_without_cuda
 
         allow_grammar_without_cuda()
         try:
             skinny_gemm.install()
             rowwise_ops.install()
+            rust_attention.install()
             set_openmp_spinning_once_args_are_known()
             small_step_threads.install()
             gemm_tuning.install()

@@ -18,8 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+
+from sglang_dart.cpu import rust_attention
 
 # Largest float32 score block [bs, H, q_block, P + Q] one attention call materializes (the math kernel's
 # worst case): 256 MiB.
@@ -77,6 +80,14 @@ class AttentionPlan:
     @cached_property
     def _folded_masks(self) -> dict[int, torch.Tensor]:
         return {}
+
+    @cached_property
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """key_loc, mask, query_row and query_valid as C-contiguous numpy arrays (CPU plans made with
+        new_token_loc): what the Rust CPU attention reads, made once per plan and shared by its layers."""
+        assert self.key_loc is not None, "a plan made without new_token_loc"
+        parts = (self.key_loc, self.mask, self.query_row, self.query_valid)
+        return tuple(np.ascontiguousarray(t.numpy()) for t in parts)  # type: ignore[return-value]
 
     def folded_mask(self, group: int) -> torch.Tensor:
         """sdpa_mask for `group` query heads folded into the query rows (`_fold_heads`), made once per plan
@@ -221,6 +232,8 @@ def attend(
     if plan.query_row.numel() == 0:
         return q.new_zeros(out_shape)
     plan = plan.to(q.device)
+    if k_new is None and v_new is None and rust_attention.applies(plan, q, k_cache, v_cache, logit_cap):
+        return rust_attention.attend(plan, q, k_cache, v_cache, scaling, sliding_window)
     bs, width_q = plan.query_row.shape
     dense = plan.dense and q.shape[0] == bs * width_q
 

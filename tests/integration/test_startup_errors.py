@@ -1,4 +1,4 @@
-"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The six launches
+"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The seven launches
 run side by side (each is mostly single-threaded imports) in one module fixture; each test reads its own."""
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ def refused_launches(tiny_llama_dir, tmp_path_factory) -> dict[str, subprocess.C
         "bad row-wise setting": (
             [str(tiny_llama_dir), "--device", "cpu"],
             {"SGLANG_DART_CPU_ROWWISE": "yes"},
+        ),
+        "bad attention setting": (
+            [str(tiny_llama_dir), "--device", "cpu"],
+            {"SGLANG_DART_CPU_ATTENTION": "sdpa"},
         ),
     }
     with ThreadPoolExecutor(max_workers=len(launches)) as pool:
@@ -71,3 +75,7 @@ def test_bad_tuning_budget_stops_the_launcher(refused_launches):
 
 def test_bad_row_wise_setting_stops_the_launcher(refused_launches):
     _refused_naming(refused_launches["bad row-wise setting"], "SGLANG_DART_CPU_ROWWISE='yes'")
+
+
+def test_bad_attention_setting_stops_the_launcher(refused_launches):
+    _refused_naming(refused_launches["bad attention setting"], "SGLANG_DART_CPU_ATTENTION='sdpa'")

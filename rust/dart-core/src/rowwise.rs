@@ -126,7 +126,7 @@ pub mod portable {
     /// e^x in float32 to about 1 ulp, branch-free so that a row of them vectorises: x = n ln2 + r with
     /// |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial, times 2^n built in the exponent bits.
     #[inline(always)]
-    pub(super) fn exp_f32(x: f32) -> f32 {
+    pub(crate) fn exp_f32(x: f32) -> f32 {
         const LN2_HI: f32 = 0.693_145_75;
         const LN2_LO: f32 = 1.428_606_8e-6;
         // Adding and taking back 1.5 * 2^23 rounds to an integer (nearest even) with plain float

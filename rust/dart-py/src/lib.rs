@@ -1,6 +1,7 @@
 //! Python bindings: `sglang_dart._core`. Each submodule registers its own classes/functions.
 use pyo3::prelude::*;
 
+mod attention_py;
 mod context_py;
 mod gemm_py;
 mod prune_py;
@@ -15,5 +16,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     gemm_py::register(m)?;
     context_py::register(m)?;
     rowwise_py::register(m)?;
+    attention_py::register(m)?;
     Ok(())
 }

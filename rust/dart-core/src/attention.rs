@@ -1,0 +1,757 @@
+//! Masked attention of a few queries per request over keys read from a paged KV pool: the decode and
+//! tree-verify attention of a CPU server, one call per layer, in float32 or bfloat16.
+//!
+//! torch's CPU SDPA runs a task per (request, query head) that costs about 20 us in bf16 whatever its size,
+//! and the Python caller first gathers every key and value row into new tensors: at one request a bf16
+//! SmolLM2 layer's attention took 0.1-0.3 ms for a few microseconds of arithmetic (a fifth of a batch-1
+//! DART step; benchmarks/results/throughput.md, runs 110-111). Here one call reads the pool where it lies,
+//! shares (request, KV head, block of query rows) tasks out among the team (`team`), and writes the output.
+//!
+//! A query's result depends only on its own row: its scores are computed key by key (each key one lane),
+//! and the softmax and the weighted sum of values run over the keys in their column order, the keys it may
+//! not see adding exact zeros. So a token attends bit-identically whether it is decoded alone or verified
+//! in a tree, wherever its ancestors sit among the tree's columns, and whatever else the batch holds.
+
+use std::sync::{Mutex, PoisonError};
+
+use crate::rowwise::{portable::exp_f32, Element};
+use crate::team;
+
+/// Partial sums of a dot product (one vector); query and key rows are zero-padded to a multiple.
+const DOT_LANES: usize = 16;
+/// Value columns summed in one pass over the keys (four vectors); value rows are zero-padded to a multiple.
+const VALUE_BLOCK: usize = 64;
+/// Query rows (query, head) a task takes at most: enough to share the gathered keys, few enough that one
+/// request's decode or tree splits over both cores of a small machine.
+const ROWS_PER_TASK: usize = 16;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionError(pub String);
+
+impl std::fmt::Display for AttentionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "attention: {}", self.0)
+    }
+}
+
+impl std::error::Error for AttentionError {}
+
+/// Sizes of one call. Queries and keys are laid out per request, padded to `queries` and `keys`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub requests: usize,
+    pub queries: usize,
+    pub keys: usize,
+    /// Rows of `q` and `out` (the flat token rows).
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub dim: usize,
+    pub dim_v: usize,
+    /// Rows of the KV pool.
+    pub slots: usize,
+}
+
+/// What one call reads. `q` is [rows, heads, dim]; `k_cache` [slots, kv_heads, dim] and `v_cache`
+/// [slots, kv_heads, dim_v]; `key_loc` [requests, keys] the pool slot of each key; `mask` [requests,
+/// queries, keys] which keys each query sees; `query_row` [requests, queries] the row of `q` and `out`
+/// of each query slot, used where `query_valid` [requests, queries] is true.
+pub struct Inputs<'a, T> {
+    pub q: &'a [T],
+    pub k_cache: &'a [T],
+    pub v_cache: &'a [T],
+    pub key_loc: &'a [i64],
+    pub mask: &'a [bool],
+    pub query_row: &'a [i64],
+    pub query_valid: &'a [bool],
+    pub scale: f32,
+}
+
+fn check(
+    shape: &Shape,
+    x: &Inputs<'_, impl Element>,
+    out_len: usize,
+) -> Result<(), AttentionError> {
+    let s = shape;
+    if s.kv_heads == 0 || s.heads % s.kv_heads != 0 {
+        return Err(AttentionError(format!(
+            "{} query heads cannot share {} KV heads",
+            s.heads, s.kv_heads
+        )));
+    }
+    let lengths = [
+        ("q", x.q.len(), s.rows * s.heads * s.dim),
+        ("k_cache", x.k_cache.len(), s.slots * s.kv_heads * s.dim),
+        ("v_cache", x.v_cache.len(), s.slots * s.kv_heads * s.dim_v),
+        ("key_loc", x.key_loc.len(), s.requests * s.keys),
+        ("mask", x.mask.len(), s.requests * s.queries * s.keys),
+        ("query_row", x.query_row.len(), s.requests * s.queries),
+        ("query_valid", x.query_valid.len(), s.requests * s.queries),
+        ("out", out_len, s.rows * s.heads * s.dim_v),
+    ];
+    for (name, len, want) in lengths {
+        if len != want {
+            return Err(AttentionError(format!(
+                "{name} holds {len} values, {want} expected for {s:?}"
+            )));
+        }
+    }
+    if let Some(slot) = x.key_loc.iter().find(|&&v| v < 0 || v as usize >= s.slots) {
+        return Err(AttentionError(format!(
+            "key slot {slot} is outside the pool of {} slots",
+            s.slots
+        )));
+    }
+    Ok(())
+}
+
+/// One task: request `request`, KV head `kv_head`, and its query rows `rows` (query index, head).
+struct Task<'a, T> {
+    request: usize,
+    kv_head: usize,
+    rows: Vec<(usize, usize)>,
+    outs: Vec<&'a mut [T]>,
+}
+
+/// `out[query_row[r, i], h] = softmax(q[query_row[r, i], h] · K_r^T * scale, masked by mask[r, i]) V_r`
+/// for every valid query slot (r, i) and head h, where K_r, V_r are the pool rows of `key_loc[r]` under
+/// h's KV head. Rows of `out` no valid slot names are left as they are; a query that sees no key gets
+/// zeros. Two valid slots naming one row are an error.
+pub fn attend<T: Element>(
+    shape: &Shape,
+    inputs: &Inputs<'_, T>,
+    out: &mut [T],
+) -> Result<(), AttentionError> {
+    check(shape, inputs, out.len())?;
+    let s = *shape;
+    if s.rows == 0 || s.heads == 0 || s.dim_v == 0 {
+        return Ok(());
+    }
+    let group = s.heads / s.kv_heads;
+    // Hand each (row, head) stretch of `out` to the one task that writes it; the (uncontended) locks
+    // only carry the `&mut`s to whichever thread claims the task.
+    let mut stretches: Vec<Option<&mut [T]>> = out.chunks_exact_mut(s.dim_v).map(Some).collect();
+    let mut tasks: Vec<Mutex<Task<'_, T>>> = Vec::new();
+    for request in 0..s.requests {
+        let slots = request * s.queries..(request + 1) * s.queries;
+        let valid: Vec<(usize, usize)> = slots
+            .filter(|&slot| inputs.query_valid[slot])
+            .map(|slot| {
+                let row = inputs.query_row[slot];
+                if row < 0 || row as usize >= s.rows {
+                    return Err(AttentionError(format!(
+                        "query row {row} is outside the {} rows of q",
+                        s.rows
+                    )));
+                }
+                Ok((slot - request * s.queries, row as usize))
+            })
+            .collect::<Result<_, _>>()?;
+        for kv_head in 0..s.kv_heads {
+            let mut rows = Vec::with_capacity(valid.len() * group);
+            let mut outs = Vec::with_capacity(valid.len() * group);
+            for &(query, row) in &valid {
+                for head in kv_head * group..(kv_head + 1) * group {
+                    let stretch = stretches[row * s.heads + head].take().ok_or_else(|| {
+                        AttentionError(format!("two query slots name row {row} of q"))
+                    })?;
+                    rows.push((query, head));
+                    outs.push(stretch);
+                }
+            }
+            while !rows.is_empty() {
+                let take = rows.len().min(ROWS_PER_TASK);
+                let rest_rows = rows.split_off(take);
+                let rest_outs = outs.split_off(take);
+                tasks.push(Mutex::new(Task {
+                    request,
+                    kv_head,
+                    rows: std::mem::replace(&mut rows, rest_rows),
+                    outs: std::mem::replace(&mut outs, rest_outs),
+                }));
+            }
+        }
+    }
+    team::for_each_index(tasks.len(), &|index| {
+        let mut task = tasks[index].lock().unwrap_or_else(PoisonError::into_inner);
+        run_task(&s, inputs, &mut task);
+    });
+    Ok(())
+}
+
+fn run_task<T: Element>(s: &Shape, x: &Inputs<'_, T>, task: &mut Task<'_, T>) {
+    // The scratch is borrowed out here: a closure called inside `wide` is compiled apart from it, for the
+    // baseline CPU (so is every closure below: the loops call functions instead).
+    SCRATCH.with_borrow_mut(|scratch| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512bw,avx2")]
+            unsafe fn wide<T: Element>(
+                s: &Shape,
+                x: &Inputs<'_, T>,
+                task: &mut Task<'_, T>,
+                scratch: &mut Scratch,
+            ) {
+                task_body::<T, avx512::Dot>(s, x, task, scratch)
+            }
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+            {
+                // SAFETY: `wide` only enables AVX-512F/BW and AVX2, which this CPU has (AVX-512F
+                // implies AVX2; checked just above); its arguments are safe references.
+                return unsafe { wide(s, x, task, scratch) };
+            }
+        }
+        task_body::<T, PortableDot>(s, x, task, scratch)
+    })
+}
+
+/// Buffers a thread reuses from task to task: fresh ones cost page faults and clearing, as much as the
+/// arithmetic of a decode step's task.
+#[derive(Default)]
+struct Scratch {
+    key_rows: Vec<f32>,
+    values: Vec<f32>,
+    queries: Vec<f32>,
+    weights: Vec<f32>,
+    sums: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// The first `len` values of `buffer`, grown if needed; their contents are whatever was there.
+fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+    &mut buffer[..len]
+}
+
+/// `dst = src` as float32, zero-padded to `dst`'s length.
+#[inline(always)]
+fn widen<T: Element>(dst: &mut [f32], src: &[T]) {
+    let (head, tail) = dst.split_at_mut(src.len());
+    for (d, v) in head.iter_mut().zip(src) {
+        *d = v.to_f32();
+    }
+    tail.fill(0.0);
+}
+
+/// One task's work: gather its request's keys and values under its KV head as float32, score them
+/// against its query rows, softmax each row over the keys it sees, and sum the values. Keys no row of the
+/// task sees stay zero, so an unwritten pool slot (any bits) never reaches a sum.
+#[inline(always)]
+fn task_body<T: Element, D: DotProduct>(
+    s: &Shape,
+    x: &Inputs<'_, T>,
+    task: &mut Task<'_, T>,
+    scratch: &mut Scratch,
+) {
+    let (keys, dim, dim_v) = (s.keys, s.dim, s.dim_v);
+    let lanes_q = dim.div_ceil(DOT_LANES) * DOT_LANES;
+    let lanes_v = dim_v.div_ceil(VALUE_BLOCK) * VALUE_BLOCK;
+    let rows = task.rows.len();
+    let masks = &x.mask[task.request * s.queries * keys..][..s.queries * keys];
+    let key_rows = sized(&mut scratch.key_rows, keys * lanes_q); // [keys, lanes_q]
+    let values = sized(&mut scratch.values, keys * lanes_v); // [keys, lanes_v]
+    for (j, (key, value)) in key_rows
+        .chunks_exact_mut(lanes_q)
+        .zip(values.chunks_exact_mut(lanes_v))
+        .enumerate()
+    {
+        if !task.rows.iter().any(|&(query, _)| masks[query * keys + j]) {
+            key.fill(0.0);
+            value.fill(0.0);
+            continue;
+        }
+        let base = x.key_loc[task.request * keys + j] as usize * s.kv_heads + task.kv_head;
+        widen(key, &x.k_cache[base * dim..][..dim]);
+        widen(value, &x.v_cache[base * dim_v..][..dim_v]);
+    }
+    let queries = sized(&mut scratch.queries, rows * lanes_q); // [rows, lanes_q]
+    for (n, &(query, head)) in task.rows.iter().enumerate() {
+        let row = x.query_row[task.request * s.queries + query] as usize;
+        widen(
+            &mut queries[n * lanes_q..][..lanes_q],
+            &x.q[(row * s.heads + head) * dim..][..dim],
+        );
+    }
+    // [rows, keys]: scores, then softmax numerators
+    let weights = sized(&mut scratch.weights, rows * keys);
+    for (n, (&(query, _), row)) in task
+        .rows
+        .iter()
+        .zip(weights.chunks_exact_mut(keys.max(1)))
+        .enumerate()
+    {
+        let q = &queries[n * lanes_q..][..lanes_q];
+        for (w, k) in row.iter_mut().zip(key_rows.chunks_exact(lanes_q)) {
+            *w = D::dot(q, k) * x.scale;
+        }
+        softmax_numerators(row, &masks[query * keys..][..keys]);
+    }
+    let sums = sized(&mut scratch.sums, lanes_v); // one row's weighted sum
+    for (n, out) in task.outs.iter_mut().enumerate() {
+        let total = weighted_sum(&weights[n * keys..][..keys], values, lanes_v, sums);
+        let inverse = if total > 0.0 { 1.0 / total } else { 0.0 };
+        for (o, acc) in out.iter_mut().zip(sums.iter()) {
+            *o = T::from_f32(acc * inverse);
+        }
+    }
+}
+
+/// How a task takes its dot products: `dot` below, or the same sums in AVX-512 vectors where `wide`
+/// runs (the compiler splits the portable loop into 2-lane pieces). Each is one fixed sequence of
+/// operations, so on one machine a score depends only on its query and key.
+trait DotProduct {
+    fn dot(a: &[f32], b: &[f32]) -> f32;
+}
+
+struct PortableDot;
+
+impl DotProduct for PortableDot {
+    #[inline(always)]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        dot(a, b)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Only `run_task`'s `wide`, which runs after detecting AVX-512F, instantiates a task with it.
+    pub(super) struct Dot;
+
+    impl super::DotProduct for Dot {
+        #[inline(always)]
+        fn dot(a: &[f32], b: &[f32]) -> f32 {
+            // SAFETY: this impl is used only inside `wide`, on a CPU with AVX-512F (see `Dot`).
+            unsafe { dot(a, b) }
+        }
+    }
+
+    /// `a · b` for rows of a multiple of 16: products added into one 16-lane vector, then its lanes.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = _mm512_setzero_ps();
+        for (a, b) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+            // SAFETY: each chunk holds exactly 16 floats, what an unaligned 512-bit load reads.
+            let (va, vb) = unsafe { (_mm512_loadu_ps(a.as_ptr()), _mm512_loadu_ps(b.as_ptr())) };
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(va, vb));
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+}
+
+/// `a · b` for rows of a multiple of `DOT_LANES`: lane l sums the products of the columns l, l + 16, ...
+/// in order, then the lanes are added pairwise in a fixed tree. The same operations for every call, so
+/// a score depends only on its query and key.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; DOT_LANES];
+    for (a, b) in a.chunks_exact(DOT_LANES).zip(b.chunks_exact(DOT_LANES)) {
+        // Fixed-length arrays, so the compiler sees one vector (a runtime-length zip it splits up).
+        let a: &[f32; DOT_LANES] = a.try_into().expect("a chunk of DOT_LANES");
+        let b: &[f32; DOT_LANES] = b.try_into().expect("a chunk of DOT_LANES");
+        for l in 0..DOT_LANES {
+            lanes[l] += a[l] * b[l];
+        }
+    }
+    let mut width = DOT_LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            lanes[l] += lanes[l + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
+}
+
+/// A row of scores in place becomes e^(score - max) where `mask` lets the query see the key, 0 where
+/// not (the max over the seen keys; all zeros if it sees none). Exact whatever the lanes' order: a max.
+#[inline(always)]
+fn softmax_numerators(row: &mut [f32], mask: &[bool]) {
+    let mut lanes = [f32::NEG_INFINITY; DOT_LANES];
+    for (chunk, seen) in row.chunks(DOT_LANES).zip(mask.chunks(DOT_LANES)) {
+        for ((lane, &w), &seen) in lanes.iter_mut().zip(chunk).zip(seen) {
+            *lane = if seen && w > *lane { w } else { *lane };
+        }
+    }
+    let max = lanes
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    for (w, &seen) in row.iter_mut().zip(mask) {
+        let numerator = exp_f32(*w - max);
+        *w = if seen { numerator } else { 0.0 };
+    }
+}
+
+/// `sums = sum_j weights[j] * values[j]` over the keys in order, `VALUE_BLOCK` columns at a time in
+/// independent vectors; returns `sum_j weights[j]`, also in order (taken along the first block).
+#[inline(always)]
+fn weighted_sum(weights: &[f32], values: &[f32], lanes_v: usize, sums: &mut [f32]) -> f32 {
+    let mut total = 0.0f32;
+    for (column, dst) in sums.chunks_exact_mut(VALUE_BLOCK).enumerate() {
+        let mut acc = [0.0f32; VALUE_BLOCK];
+        let mut sum = 0.0f32;
+        for (&w, v) in weights.iter().zip(values.chunks_exact(lanes_v)) {
+            let v: &[f32; VALUE_BLOCK] = v[column * VALUE_BLOCK..][..VALUE_BLOCK]
+                .try_into()
+                .expect("a block of VALUE_BLOCK columns");
+            for (a, &value) in acc.iter_mut().zip(v) {
+                *a += w * value;
+            }
+            sum += w;
+        }
+        dst.copy_from_slice(&acc);
+        if column == 0 {
+            total = sum;
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm_bf16::{bf16_to_f32, f32_to_bf16};
+
+    /// A small deterministic generator (no dependency for tests).
+    struct Lcg(u64);
+    impl Lcg {
+        fn next(&mut self) -> f32 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    /// The definition, in float64, one (request, query, head) at a time.
+    fn reference(s: &Shape, x: &Inputs<'_, f32>) -> Vec<f32> {
+        let mut out = vec![0.0f32; s.rows * s.heads * s.dim_v];
+        let group = s.heads / s.kv_heads;
+        for r in 0..s.requests {
+            for i in 0..s.queries {
+                let slot = r * s.queries + i;
+                if !x.query_valid[slot] {
+                    continue;
+                }
+                let row = x.query_row[slot] as usize;
+                for h in 0..s.heads {
+                    let g = h / group;
+                    let q = &x.q[(row * s.heads + h) * s.dim..][..s.dim];
+                    let visible: Vec<usize> =
+                        (0..s.keys).filter(|&j| x.mask[slot * s.keys + j]).collect();
+                    let score = |j: usize| {
+                        let loc = x.key_loc[r * s.keys + j] as usize;
+                        let k = &x.k_cache[(loc * s.kv_heads + g) * s.dim..][..s.dim];
+                        q.iter()
+                            .zip(k)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * x.scale as f64
+                    };
+                    let max = visible.iter().map(|&j| score(j)).fold(f64::MIN, f64::max);
+                    let mut total = 0.0;
+                    let mut acc = vec![0.0f64; s.dim_v];
+                    for &j in &visible {
+                        let w = (score(j) - max).exp();
+                        total += w;
+                        let loc = x.key_loc[r * s.keys + j] as usize;
+                        let v = &x.v_cache[(loc * s.kv_heads + g) * s.dim_v..][..s.dim_v];
+                        for (a, b) in acc.iter_mut().zip(v) {
+                            *a += w * *b as f64;
+                        }
+                    }
+                    for (d, a) in acc.iter().enumerate() {
+                        out[(row * s.heads + h) * s.dim_v + d] = if visible.is_empty() {
+                            0.0
+                        } else {
+                            (a / total) as f32
+                        };
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    struct Case {
+        shape: Shape,
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        key_loc: Vec<i64>,
+        mask: Vec<bool>,
+        query_row: Vec<i64>,
+        query_valid: Vec<bool>,
+    }
+
+    impl Case {
+        fn inputs(&self) -> Inputs<'_, f32> {
+            Inputs {
+                q: &self.q,
+                k_cache: &self.k,
+                v_cache: &self.v,
+                key_loc: &self.key_loc,
+                mask: &self.mask,
+                query_row: &self.query_row,
+                query_valid: &self.query_valid,
+                scale: 0.125,
+            }
+        }
+    }
+
+    /// Requests with different numbers of queries (padding slots invalid), tree-like masks, keys in
+    /// scattered pool slots, and 9 query heads over 3 KV heads.
+    fn case(seed: u64, requests: usize, queries: usize, keys: usize) -> Case {
+        let mut rng = Lcg(seed);
+        let (heads, kv_heads, dim, dim_v, slots) = (9, 3, 64, 48, keys * requests + 7);
+        let mut query_valid = vec![false; requests * queries];
+        let mut query_row = vec![0i64; requests * queries];
+        let mut rows = 0;
+        for r in 0..requests {
+            let count = 1 + (r * 5 + seed as usize) % queries;
+            for i in 0..count {
+                query_valid[r * queries + i] = true;
+                query_row[r * queries + i] = rows as i64;
+                rows += 1;
+            }
+        }
+        let mask = (0..requests * queries * keys)
+            .map(|_| rng.next() > -0.6)
+            .collect();
+        let key_loc = (0..requests * keys)
+            .map(|i| ((i * 7919) % slots) as i64)
+            .collect();
+        let shape = Shape {
+            requests,
+            queries,
+            keys,
+            rows,
+            heads,
+            kv_heads,
+            dim,
+            dim_v,
+            slots,
+        };
+        let mut fill = |n: usize| (0..n).map(|_| rng.next() * 2.0).collect::<Vec<f32>>();
+        Case {
+            q: fill(rows * heads * dim),
+            k: fill(slots * kv_heads * dim),
+            v: fill(slots * kv_heads * dim_v),
+            shape,
+            key_loc,
+            mask,
+            query_row,
+            query_valid,
+        }
+    }
+
+    #[test]
+    fn matches_the_definition_in_float32() {
+        for (seed, requests, queries, keys) in
+            [(1, 1, 1, 5), (2, 1, 9, 300), (3, 4, 4, 37), (4, 3, 16, 17)]
+        {
+            let c = case(seed, requests, queries, keys);
+            let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
+            attend(&c.shape, &c.inputs(), &mut out).unwrap();
+            let want = reference(&c.shape, &c.inputs());
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - b).abs() <= 2e-5 * (1.0 + b.abs()), "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn matches_the_definition_in_bf16() {
+        let c = case(5, 2, 9, 120);
+        let bits = |v: &[f32]| v.iter().map(|&x| f32_to_bf16(x)).collect::<Vec<u16>>();
+        let (q, k, v) = (bits(&c.q), bits(&c.k), bits(&c.v));
+        let inputs = Inputs {
+            q: &q,
+            k_cache: &k,
+            v_cache: &v,
+            key_loc: &c.key_loc,
+            mask: &c.mask,
+            query_row: &c.query_row,
+            query_valid: &c.query_valid,
+            scale: 0.125,
+        };
+        let mut out = vec![0u16; c.shape.rows * c.shape.heads * c.shape.dim_v];
+        attend(&c.shape, &inputs, &mut out).unwrap();
+        // The reference on the same bf16 values, rounded once.
+        let back = |v: &[u16]| v.iter().map(|&x| bf16_to_f32(x)).collect::<Vec<f32>>();
+        let (qf, kf, vf) = (back(&q), back(&k), back(&v));
+        let want = reference(
+            &c.shape,
+            &Inputs {
+                q: &qf,
+                k_cache: &kf,
+                v_cache: &vf,
+                ..c.inputs()
+            },
+        );
+        for (a, b) in out.iter().zip(&want) {
+            let a = bf16_to_f32(*a);
+            assert!((a - b).abs() <= 8e-3 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+
+    /// A query's output is bit-identical alone and among others, with its keys moved to other columns
+    /// and unseen keys between them: decode and tree verify agree exactly.
+    #[test]
+    fn a_row_does_not_depend_on_the_others() {
+        let c = case(6, 1, 9, 40);
+        let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
+        attend(&c.shape, &c.inputs(), &mut out).unwrap();
+        let visible: Vec<usize> = (0..c.shape.keys).filter(|&j| c.mask[j]).collect();
+        // The same query alone, its visible keys in the same order but at other columns, among unseen ones.
+        let keys = visible.len() * 2 + 3;
+        let mut key_loc = vec![0i64; keys];
+        let mut mask = vec![false; keys];
+        for (n, &j) in visible.iter().enumerate() {
+            key_loc[2 * n + 1] = c.key_loc[j];
+            mask[2 * n + 1] = true;
+        }
+        let shape = Shape {
+            queries: 1,
+            keys,
+            rows: 1,
+            ..c.shape
+        };
+        let q = c.q[..c.shape.heads * c.shape.dim].to_vec();
+        let inputs = Inputs {
+            q: &q,
+            key_loc: &key_loc,
+            mask: &mask,
+            query_row: &[0],
+            query_valid: &[true],
+            ..c.inputs()
+        };
+        let mut alone = vec![0.0f32; c.shape.heads * c.shape.dim_v];
+        attend(&shape, &inputs, &mut alone).unwrap();
+        assert_eq!(alone, out[..alone.len()].to_vec());
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let c = case(7, 2, 4, 10);
+        let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
+        let mut key_loc = c.key_loc.clone();
+        key_loc[3] = c.shape.slots as i64;
+        let err = attend(
+            &c.shape,
+            &Inputs {
+                key_loc: &key_loc,
+                ..c.inputs()
+            },
+            &mut out,
+        )
+        .unwrap_err();
+        assert!(err.0.contains("outside the pool"), "{err}");
+        let mut query_row = c.query_row.clone();
+        query_row[1] = 0;
+        let err = attend(
+            &c.shape,
+            &Inputs {
+                query_row: &query_row,
+                ..c.inputs()
+            },
+            &mut out,
+        )
+        .unwrap_err();
+        assert!(err.0.contains("two query slots"), "{err}");
+        let err = attend(&c.shape, &c.inputs(), &mut out[1..]).unwrap_err();
+        assert!(err.0.contains("out holds"), "{err}");
+        let shape = Shape {
+            kv_heads: 2,
+            ..c.shape
+        };
+        assert!(attend(&shape, &c.inputs(), &mut out).is_err());
+    }
+
+    #[test]
+    fn unwritten_slots_never_reach_a_sum() {
+        let mut c = case(8, 1, 4, 12);
+        // Key 0's slot holds NaN and no query sees key 0.
+        for i in 0..c.shape.queries {
+            c.mask[i * c.shape.keys] = false;
+        }
+        let slot = c.key_loc[0] as usize;
+        let width = c.shape.kv_heads * c.shape.dim;
+        c.k[slot * width..(slot + 1) * width].fill(f32::NAN);
+        let width_v = c.shape.kv_heads * c.shape.dim_v;
+        c.v[slot * width_v..(slot + 1) * width_v].fill(f32::NAN);
+        // No other key may share that slot.
+        for j in 1..c.shape.keys {
+            if c.key_loc[j] as usize == slot {
+                c.key_loc[j] = ((slot + 1) % c.shape.slots) as i64;
+            }
+        }
+        let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
+        attend(&c.shape, &c.inputs(), &mut out).unwrap();
+        assert!(out.iter().all(|x| x.is_finite()));
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn time_it() {
+        let only: Option<usize> = std::env::var("Q").ok().and_then(|v| v.parse().ok());
+        for (queries, keys) in [(1usize, 300usize), (9, 300), (16, 300)] {
+            if only.is_some_and(|q| q != queries) {
+                continue;
+            }
+            let (heads, kv_heads, dim, slots) = (9, 3, 64, 8192);
+            let shape = Shape {
+                requests: 1,
+                queries,
+                keys,
+                rows: queries,
+                heads,
+                kv_heads,
+                dim,
+                dim_v: dim,
+                slots,
+            };
+            let q = vec![0x3f80u16; queries * heads * dim];
+            let k = vec![0x3f00u16; slots * kv_heads * dim];
+            let v = k.clone();
+            let key_loc: Vec<i64> = (0..keys as i64).map(|i| (i * 13) % 8192).collect();
+            let mask = vec![true; queries * keys];
+            let query_row: Vec<i64> = (0..queries as i64).collect();
+            let valid = vec![true; queries];
+            let inputs = Inputs {
+                q: &q,
+                k_cache: &k,
+                v_cache: &v,
+                key_loc: &key_loc,
+                mask: &mask,
+                query_row: &query_row,
+                query_valid: &valid,
+                scale: 0.1,
+            };
+            let mut out = vec![0u16; queries * heads * dim];
+            for _ in 0..100 {
+                attend(&shape, &inputs, &mut out).unwrap();
+            }
+            let t = std::time::Instant::now();
+            for _ in 0..1000 {
+                attend(&shape, &inputs, &mut out).unwrap();
+            }
+            eprintln!(
+                "Q={queries} K={keys}: {:.1} us",
+                t.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
+}

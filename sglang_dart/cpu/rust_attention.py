@@ -1,0 +1,116 @@
+"""Decode and tree-verify attention on a CPU in one Rust call a layer (`_core.attend_f32`/`attend_bf16`,
+rust/dart-core/src/attention.rs).
+
+`tree_attention.attend` gathers every key and value row into new tensors and calls torch's SDPA, whose
+CPU kernel in bf16 costs about 20 us per (request, query head) task: at one request a bf16 SmolLM2
+layer's attention took 0.1-0.3 ms for microseconds of arithmetic. The Rust kernel reads the KV pool where
+it lies, in tasks of (request, KV head, query rows) shared among the GEMM team's threads. It computes a
+query's result from its own row alone, so a token attends bit-identically decoded alone or verified in a
+tree.
+
+It takes the forwards of few queries a request (decode, tree verify: up to `MAX_QUERIES`) whose new keys
+are already in the pool, in float32 or bf16, without a logit cap; prefill chunks and everything else stay
+with torch. Active on the CPU engine once `install()` ran (the plugin does);
+`SGLANG_DART_CPU_ATTENTION=torch` keeps torch's SDPA.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from sglang_dart import _core
+
+if TYPE_CHECKING:
+    from sglang_dart.attention.tree_attention import AttentionPlan
+
+ENV = "SGLANG_DART_CPU_ATTENTION"
+CHOICES = ("rust", "torch")
+# Queries a request at most: a tree of 16 measured slower in Rust than torch's SDPA (one request, 300
+# cached tokens, bf16: 257 against 218 us; 9 queries 148 against 178, one query 46 against 110).
+MAX_QUERIES = 8
+
+_KERNELS = {torch.float32: _core.attend_f32, torch.bfloat16: _core.attend_bf16}
+_active = False
+
+
+def setting() -> str:
+    value = os.environ.get(ENV, "rust").strip().lower()
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected rust (the default) or torch")
+    return value
+
+
+def install() -> None:
+    """Turn the Rust attention on in this process (a bad setting raises ValueError)."""
+    global _active
+    _active = setting() == "rust"
+
+
+def uninstall() -> None:
+    global _active
+    _active = False
+
+
+def active() -> bool:
+    return _active
+
+
+def applies(
+    plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logit_cap: float
+) -> bool:
+    """Whether this layer's attention goes to Rust: installed, CPU tensors of one dtype the kernel takes
+    (the pool's contiguous), few queries a request, new keys in the pool (the plan has key_loc), no logit
+    cap, no gradient."""
+    return (
+        _active
+        and q.is_cpu
+        and q.dtype in _KERNELS
+        and k_cache.dtype == q.dtype == v_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and plan.key_loc is not None
+        and plan.query_row.shape[1] <= MAX_QUERIES
+        and not (logit_cap and logit_cap > 0)
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    )
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a contiguous CPU tensor (no copy): bf16 as its bits in int16."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def attend(
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scaling: float,
+    sliding_window: int = -1,
+) -> torch.Tensor:
+    """`tree_attention.attend` for a plan and inputs `applies` accepted: q [T, H, D], the pool's
+    k_cache/v_cache [slots, Hkv, D/Dv]. Returns [T, H, Dv] in q's dtype."""
+    key_loc, mask, query_row, query_valid = plan.host_arrays
+    if sliding_window is not None and sliding_window > -1:
+        window = plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window
+        mask = (plan.mask & window).numpy()
+    rows, heads = q.shape[0], q.shape[1]
+    # Rows no query slot names (a plan whose requests have fewer queries than rows) stay zero.
+    covered = plan.dense and rows == query_row.size
+    out = (torch.empty if covered else torch.zeros)((rows, heads, v_cache.shape[-1]), dtype=q.dtype)
+    _KERNELS[q.dtype](
+        _array(q.contiguous()),
+        _array(k_cache),
+        _array(v_cache),
+        key_loc,
+        mask,
+        query_row,
+        query_valid,
+        scaling,
+        _array(out),
+    )
+    return out

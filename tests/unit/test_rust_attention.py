@@ -1,0 +1,175 @@
+"""The Rust CPU attention (sglang_dart/cpu/rust_attention.py, rust/dart-core/src/attention.rs): the same
+results as torch's path and the float64 definition on decode, extend and tree-verify plans; a row's result
+bit-identical decoded alone and verified in a tree; the forwards it does not take left to torch; bad
+settings and inputs refused."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_dart import _core
+from sglang_dart.attention.tree_attention import attend, make_plan
+from sglang_dart.cpu import rust_attention
+from tests.unit.test_tree_attention import Case, assert_matches, random_tree_mask
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def rust_on(monkeypatch):
+    monkeypatch.delenv(rust_attention.ENV, raising=False)
+    rust_attention.install()
+    yield
+    rust_attention.uninstall()
+
+
+def _pool_run(case: Case, dtype: torch.dtype, tree_mask=None, sliding_window=-1) -> torch.Tensor:
+    """Case.run_from_pool with a sliding window option: new K/V written to the pool, attend reads it."""
+    rows = [
+        case.req_to_token[case.req_pool_indices[r], p : p + n].to(torch.int64)
+        for r, (p, n) in enumerate(zip(case.prefix_lens, case.query_lens, strict=True))
+    ]
+    new_loc = torch.cat(rows)
+    k_cache, v_cache = case.k_cache.to(dtype).clone(), case.v_cache.to(dtype).clone()
+    k_cache[new_loc], v_cache[new_loc] = case.k_new.to(dtype), case.v_new.to(dtype)
+    plan = make_plan(
+        case.req_to_token,
+        case.req_pool_indices,
+        torch.tensor(case.prefix_lens, dtype=torch.int64),
+        torch.tensor(case.query_lens, dtype=torch.int32),
+        tree_mask,
+        new_loc.to(torch.int32),
+    )
+    return attend(plan, case.q.to(dtype), None, None, k_cache, v_cache, case.scaling, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "prefix_lens, query_lens, tree",
+    [
+        ([5, 0, 37], [1, 1, 1], False),  # decode, one request with nothing cached
+        ([12, 3, 40, 7], [8, 3, 5, 1], True),  # verify of uneven trees: padded query slots
+        ([20, 9], [4, 6], False),  # a small extend
+        ([64], [8], True),  # a batch-1 tree of 8
+    ],
+)
+def test_matches_torch_and_the_definition(rust_on, dtype, prefix_lens, query_lens, tree):
+    case = Case(prefix_lens, query_lens, seed=sum(prefix_lens) + len(query_lens), heads=9, kv_heads=3, head_dim=64)
+    full = case.use_random_trees()[0] if tree else None
+    plan = make_plan(
+        case.req_to_token,
+        case.req_pool_indices,
+        torch.tensor(prefix_lens),
+        torch.tensor(query_lens),
+        full,
+        torch.zeros(sum(query_lens), dtype=torch.int64),
+    )
+    assert rust_attention.applies(plan, case.q.to(dtype), case.k_cache.to(dtype), case.v_cache.to(dtype), 0.0)
+    got = _pool_run(case, dtype, full)
+    rust_attention.uninstall()
+    torch_out = _pool_run(case, dtype, full)
+    tol = TOLERANCE[dtype]
+    assert_matches(got, case.reference(dtype=dtype), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), torch_out.float(), atol=tol, rtol=tol)
+
+
+def test_sliding_window(rust_on):
+    case = Case([30, 11], [4, 2], seed=3, heads=4, kv_heads=2, head_dim=16)
+    got = _pool_run(case, torch.float32, sliding_window=6)
+    assert_matches(got, case.reference(sliding_window=6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype):
+    """Each node of a verified tree gets the bits it gets when decoded alone after its ancestors: the
+    keys it sees sit at other columns there, and nothing else is in the batch."""
+    rng = random.Random(7)
+    prefix, n, heads, kv_heads, dim = 50, 8, 9, 3, 64
+    g = torch.Generator().manual_seed(7)
+    slots = 4 * (prefix + n)
+    k_cache = torch.randn((slots, kv_heads, dim), generator=g).to(dtype)
+    v_cache = torch.randn((slots, kv_heads, dim), generator=g).to(dtype)
+    q = torch.randn((n, heads, dim), generator=g).to(dtype)
+    tree = random_tree_mask(rng, n)
+    req_to_token = torch.randperm(slots, generator=g)[: prefix + n].view(1, -1).to(torch.int32)
+    tree_layout = torch.cat([torch.ones((n, prefix), dtype=torch.bool), tree], dim=1).reshape(-1)
+    verify_plan = make_plan(
+        req_to_token,
+        torch.tensor([0]),
+        torch.tensor([prefix]),
+        torch.tensor([n]),
+        tree_layout,
+        req_to_token[0, prefix:],
+    )
+    verified = attend(verify_plan, q, None, None, k_cache, v_cache, 0.125)
+    for node in range(n):
+        path = tree[node].nonzero().squeeze(1)  # its ancestors and itself, in tree order
+        row = torch.cat([req_to_token[0, :prefix], req_to_token[0, prefix + path]]).view(1, -1)
+        seen = prefix + len(path) - 1
+        decode_plan = make_plan(row, torch.tensor([0]), torch.tensor([seen]), torch.tensor([1]), None, row[0, -1:])
+        alone = attend(decode_plan, q[node : node + 1], None, None, k_cache, v_cache, 0.125)
+        assert torch.equal(alone[0], verified[node]), f"node {node}"
+
+
+def test_forwards_it_does_not_take_stay_with_torch(rust_on):
+    case = Case([10], [rust_attention.MAX_QUERIES + 1], seed=1)
+    loc = torch.zeros(rust_attention.MAX_QUERIES + 1, dtype=torch.int64)
+    long_plan = make_plan(case.req_to_token, case.req_pool_indices, torch.tensor([10]), torch.tensor([9]), None, loc)
+    assert not rust_attention.applies(long_plan, case.q, case.k_cache, case.v_cache, 0.0)
+    short = Case([10], [2], seed=1)
+    plan = make_plan(short.req_to_token, short.req_pool_indices, torch.tensor([10]), torch.tensor([2]), None, loc[:2])
+    assert rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 0.0)
+    assert not rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 30.0)  # logit cap
+    assert not rust_attention.applies(plan, short.q.half(), short.k_cache.half(), short.v_cache.half(), 0.0)
+    no_loc = make_plan(short.req_to_token, short.req_pool_indices, torch.tensor([10]), torch.tensor([2]))
+    assert not rust_attention.applies(no_loc, short.q, short.k_cache, short.v_cache, 0.0)
+    rust_attention.uninstall()
+    assert not rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 0.0)
+
+
+def test_the_torch_setting_keeps_torch(monkeypatch):
+    monkeypatch.setenv(rust_attention.ENV, "torch")
+    rust_attention.install()
+    assert not rust_attention.active()
+
+
+def test_a_bad_setting_is_refused(monkeypatch):
+    monkeypatch.setenv(rust_attention.ENV, "fastest")
+    with pytest.raises(ValueError, match="SGLANG_DART_CPU_ATTENTION='fastest'"):
+        rust_attention.install()
+
+
+def _kernel_args(slots=20):
+    q = np.zeros((2, 4, 8), dtype=np.float32)
+    k = np.zeros((slots, 2, 8), dtype=np.float32)
+    key_loc = np.array([[0, 1, 2]], dtype=np.int64)
+    mask = np.ones((1, 2, 3), dtype=bool)
+    query_row = np.array([[0, 1]], dtype=np.int64)
+    valid = np.ones((1, 2), dtype=bool)
+    out = np.zeros((2, 4, 8), dtype=np.float32)
+    return [q, k, k.copy(), key_loc, mask, query_row, valid, 0.5, out]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a[3].__setitem__((0, 1), 20), "outside the pool"),
+        (lambda a: a[3].__setitem__((0, 1), -1), "outside the pool"),
+        (lambda a: a[5].__setitem__((0, 1), 0), "two query slots"),
+        (lambda a: a[5].__setitem__((0, 1), 2), "outside the 2 rows"),
+        (lambda a: a.__setitem__(4, np.ones((1, 2, 4), dtype=bool)), "key_loc is"),
+        (lambda a: a.__setitem__(8, np.zeros((2, 4, 7), dtype=np.float32)), "do not fit"),
+        (lambda a: a.__setitem__(0, np.zeros((2, 8, 4), dtype=np.float32).transpose(0, 2, 1)), "C-contiguous"),
+        (lambda a: a.__setitem__(1, np.zeros((20, 3, 8), dtype=np.float32)), "do not fit"),
+    ],
+)
+def test_bad_kernel_inputs_are_errors_not_crashes(change, message):
+    args = _kernel_args()
+    _core.attend_f32(*args)  # the unchanged arguments are fine
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        _core.attend_f32(*args)
