@@ -44,7 +44,9 @@ def _pool_run(case: Case, dtype: torch.dtype, tree_mask=None, sliding_window=-1)
         tree_mask,
         new_loc.to(torch.int32),
     )
-    return attend(plan, case.q.to(dtype), None, None, k_cache, v_cache, case.scaling, sliding_window=sliding_window)
+    return attend(
+        plan, case.q.to(dtype), None, None, k_cache, v_cache, case.scaling, sliding_window=sliding_window
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -58,7 +60,9 @@ def _pool_run(case: Case, dtype: torch.dtype, tree_mask=None, sliding_window=-1)
     ],
 )
 def test_matches_torch_and_the_definition(rust_on, dtype, prefix_lens, query_lens, tree):
-    case = Case(prefix_lens, query_lens, seed=sum(prefix_lens) + len(query_lens), heads=9, kv_heads=3, head_dim=64)
+    case = Case(
+        prefix_lens, query_lens, seed=sum(prefix_lens) + len(query_lens), heads=9, kv_heads=3, head_dim=64
+    )
     full = case.use_random_trees()[0] if tree else None
     plan = make_plan(
         case.req_to_token,
@@ -110,7 +114,9 @@ def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype):
         path = tree[node].nonzero().squeeze(1)  # its ancestors and itself, in tree order
         row = torch.cat([req_to_token[0, :prefix], req_to_token[0, prefix + path]]).view(1, -1)
         seen = prefix + len(path) - 1
-        decode_plan = make_plan(row, torch.tensor([0]), torch.tensor([seen]), torch.tensor([1]), None, row[0, -1:])
+        decode_plan = make_plan(
+            row, torch.tensor([0]), torch.tensor([seen]), torch.tensor([1]), None, row[0, -1:]
+        )
         alone = attend(decode_plan, q[node : node + 1], None, None, k_cache, v_cache, 0.125)
         assert torch.equal(alone[0], verified[node]), f"node {node}"
 
@@ -118,10 +124,14 @@ def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype):
 def test_forwards_it_does_not_take_stay_with_torch(rust_on):
     case = Case([10], [rust_attention.MAX_QUERIES + 1], seed=1)
     loc = torch.zeros(rust_attention.MAX_QUERIES + 1, dtype=torch.int64)
-    long_plan = make_plan(case.req_to_token, case.req_pool_indices, torch.tensor([10]), torch.tensor([9]), None, loc)
+    long_plan = make_plan(
+        case.req_to_token, case.req_pool_indices, torch.tensor([10]), torch.tensor([9]), None, loc
+    )
     assert not rust_attention.applies(long_plan, case.q, case.k_cache, case.v_cache, 0.0)
     short = Case([10], [2], seed=1)
-    plan = make_plan(short.req_to_token, short.req_pool_indices, torch.tensor([10]), torch.tensor([2]), None, loc[:2])
+    plan = make_plan(
+        short.req_to_token, short.req_pool_indices, torch.tensor([10]), torch.tensor([2]), None, loc[:2]
+    )
     assert rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 0.0)
     assert not rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 30.0)  # logit cap
     assert not rust_attention.applies(plan, short.q.half(), short.k_cache.half(), short.v_cache.half(), 0.0)
@@ -163,7 +173,10 @@ def _kernel_args(slots=20):
         (lambda a: a[5].__setitem__((0, 1), 2), "outside the 2 rows"),
         (lambda a: a.__setitem__(4, np.ones((1, 2, 4), dtype=bool)), "key_loc is"),
         (lambda a: a.__setitem__(8, np.zeros((2, 4, 7), dtype=np.float32)), "do not fit"),
-        (lambda a: a.__setitem__(0, np.zeros((2, 8, 4), dtype=np.float32).transpose(0, 2, 1)), "C-contiguous"),
+        (
+            lambda a: a.__setitem__(0, np.zeros((2, 8, 4), dtype=np.float32).transpose(0, 2, 1)),
+            "C-contiguous",
+        ),
         (lambda a: a.__setitem__(1, np.zeros((20, 3, 8), dtype=np.float32)), "do not fit"),
     ],
 )

@@ -73,7 +73,7 @@ fn check(
     out_len: usize,
 ) -> Result<(), AttentionError> {
     let s = shape;
-    if s.kv_heads == 0 || s.heads % s.kv_heads != 0 {
+    if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
         return Err(AttentionError(format!(
             "{} query heads cannot share {} KV heads",
             s.heads, s.kv_heads
@@ -697,61 +697,5 @@ mod tests {
         let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
         attend(&c.shape, &c.inputs(), &mut out).unwrap();
         assert!(out.iter().all(|x| x.is_finite()));
-    }
-}
-
-#[cfg(test)]
-mod timing {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn time_it() {
-        let only: Option<usize> = std::env::var("Q").ok().and_then(|v| v.parse().ok());
-        for (queries, keys) in [(1usize, 300usize), (9, 300), (16, 300)] {
-            if only.is_some_and(|q| q != queries) {
-                continue;
-            }
-            let (heads, kv_heads, dim, slots) = (9, 3, 64, 8192);
-            let shape = Shape {
-                requests: 1,
-                queries,
-                keys,
-                rows: queries,
-                heads,
-                kv_heads,
-                dim,
-                dim_v: dim,
-                slots,
-            };
-            let q = vec![0x3f80u16; queries * heads * dim];
-            let k = vec![0x3f00u16; slots * kv_heads * dim];
-            let v = k.clone();
-            let key_loc: Vec<i64> = (0..keys as i64).map(|i| (i * 13) % 8192).collect();
-            let mask = vec![true; queries * keys];
-            let query_row: Vec<i64> = (0..queries as i64).collect();
-            let valid = vec![true; queries];
-            let inputs = Inputs {
-                q: &q,
-                k_cache: &k,
-                v_cache: &v,
-                key_loc: &key_loc,
-                mask: &mask,
-                query_row: &query_row,
-                query_valid: &valid,
-                scale: 0.1,
-            };
-            let mut out = vec![0u16; queries * heads * dim];
-            for _ in 0..100 {
-                attend(&shape, &inputs, &mut out).unwrap();
-            }
-            let t = std::time::Instant::now();
-            for _ in 0..1000 {
-                attend(&shape, &inputs, &mut out).unwrap();
-            }
-            eprintln!(
-                "Q={queries} K={keys}: {:.1} us",
-                t.elapsed().as_secs_f64() * 1e3
-            );
-        }
     }
 }
