@@ -41,6 +41,8 @@ FOLD_HEADS_MIN_REQUESTS = 4
 # `attend` whole, one request: one token 0.24-0.33 -> 0.11-0.18 ms a layer; 3 / 5 / 9 queries 0.88x /
 # 0.95x / 1.00x. Served (throughput run 111, paired), folding up to 8 queries made plain decoding
 # 1.05-1.13x as fast and DART, with its batch-1 verify of 8 folded, 0.92-1.01x: so only up to 4.
+# On the CPU engine most of these forwards (up to 8 queries a request, new keys in the pool) now go to the
+# Rust attention instead (`sglang_dart/cpu/rust_attention.py`, throughput run 113); the fold serves the rest.
 FOLD_HEADS_MAX_BF16_QUERIES = 4
 
 
