@@ -27,28 +27,6 @@ def rust_on(monkeypatch):
     rust_attention.uninstall()
 
 
-def _pool_run(case: Case, dtype: torch.dtype, tree_mask=None, sliding_window=-1) -> torch.Tensor:
-    """Case.run_from_pool with a sliding window option: new K/V written to the pool, attend reads it."""
-    rows = [
-        case.req_to_token[case.req_pool_indices[r], p : p + n].to(torch.int64)
-        for r, (p, n) in enumerate(zip(case.prefix_lens, case.query_lens, strict=True))
-    ]
-    new_loc = torch.cat(rows)
-    k_cache, v_cache = case.k_cache.to(dtype).clone(), case.v_cache.to(dtype).clone()
-    k_cache[new_loc], v_cache[new_loc] = case.k_new.to(dtype), case.v_new.to(dtype)
-    plan = make_plan(
-        case.req_to_token,
-        case.req_pool_indices,
-        torch.tensor(case.prefix_lens, dtype=torch.int64),
-        torch.tensor(case.query_lens, dtype=torch.int32),
-        tree_mask,
-        new_loc.to(torch.int32),
-    )
-    return attend(
-        plan, case.q.to(dtype), None, None, k_cache, v_cache, case.scaling, sliding_window=sliding_window
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "prefix_lens, query_lens, tree",
@@ -73,9 +51,9 @@ def test_matches_torch_and_the_definition(rust_on, dtype, prefix_lens, query_len
         torch.zeros(sum(query_lens), dtype=torch.int64),
     )
     assert rust_attention.applies(plan, case.q.to(dtype), case.k_cache.to(dtype), case.v_cache.to(dtype), 0.0)
-    got = _pool_run(case, dtype, full)
+    got = case.run_from_pool(full, dtype)
     rust_attention.uninstall()
-    torch_out = _pool_run(case, dtype, full)
+    torch_out = case.run_from_pool(full, dtype)
     tol = TOLERANCE[dtype]
     assert_matches(got, case.reference(dtype=dtype), atol=tol, rtol=tol)
     torch.testing.assert_close(got.float(), torch_out.float(), atol=tol, rtol=tol)
@@ -83,7 +61,7 @@ def test_matches_torch_and_the_definition(rust_on, dtype, prefix_lens, query_len
 
 def test_sliding_window(rust_on):
     case = Case([30, 11], [4, 2], seed=3, heads=4, kv_heads=2, head_dim=16)
-    got = _pool_run(case, torch.float32, sliding_window=6)
+    got = case.run_from_pool(sliding_window=6)
     assert_matches(got, case.reference(sliding_window=6))
 
 

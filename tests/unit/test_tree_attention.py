@@ -81,7 +81,7 @@ class Case:
             **kwargs,
         )
 
-    def run_from_pool(self, tree_mask=None, dtype=None):
+    def run_from_pool(self, tree_mask=None, dtype=None, **kwargs):
         """As run, but with the new tokens' K/V first written to their pool slots (positions p.. of each
         request's row, as SGLang's out_cache_loc gives them) and attend reading every key from the pool."""
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
@@ -100,7 +100,7 @@ class Case:
             tree_mask,
             new_loc.to(torch.int32),
         )
-        return attend(plan, cast(self.q), None, None, k_cache, v_cache, self.scaling)
+        return attend(plan, cast(self.q), None, None, k_cache, v_cache, self.scaling, **kwargs)
 
     def reference(self, logit_cap=0.0, sliding_window=-1, dtype=None):
         """Per request and query head: explicit float64 attention over [prefix from the pool | new tokens]."""

@@ -23,17 +23,21 @@ fn flat<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
         .map_err(|_| error(format!("{name} is not contiguous")))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The plan's arrays: key_loc, mask, query_row, query_valid, and the scale.
+type Plan<'py> = (
+    PyReadonlyArray2<'py, i64>,
+    PyReadonlyArray3<'py, bool>,
+    PyReadonlyArray2<'py, i64>,
+    PyReadonlyArray2<'py, bool>,
+    f32,
+);
+
 fn attend<T: Element + numpy::Element>(
     py: Python<'_>,
     q: PyReadonlyArray3<'_, T>,
     k_cache: PyReadonlyArray3<'_, T>,
     v_cache: PyReadonlyArray3<'_, T>,
-    key_loc: PyReadonlyArray2<'_, i64>,
-    mask: PyReadonlyArray3<'_, bool>,
-    query_row: PyReadonlyArray2<'_, i64>,
-    query_valid: PyReadonlyArray2<'_, bool>,
-    scale: f32,
+    (key_loc, mask, query_row, query_valid, scale): Plan<'_>,
     out: Bound<'_, PyArray3<T>>,
 ) -> PyResult<()> {
     let mut out = out.try_readwrite().map_err(|e| {
@@ -96,64 +100,41 @@ fn attend<T: Element + numpy::Element>(
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// `out[row, h] = softmax(q[row, h] · K^T * scale | mask) V` for each valid query slot of each request,
-/// K and V read from the pool at `key_loc`; rows no valid slot names are left as they are.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn attend_f32(
-    py: Python<'_>,
-    q: PyReadonlyArray3<'_, f32>,
-    k_cache: PyReadonlyArray3<'_, f32>,
-    v_cache: PyReadonlyArray3<'_, f32>,
-    key_loc: PyReadonlyArray2<'_, i64>,
-    mask: PyReadonlyArray3<'_, bool>,
-    query_row: PyReadonlyArray2<'_, i64>,
-    query_valid: PyReadonlyArray2<'_, bool>,
-    scale: f32,
-    out: Bound<'_, PyArray3<f32>>,
-) -> PyResult<()> {
-    attend(
-        py,
-        q,
-        k_cache,
-        v_cache,
-        key_loc,
-        mask,
-        query_row,
-        query_valid,
-        scale,
-        out,
-    )
+/// One Python function per element type: `attend_f32`, and `attend_bf16` on bf16 bits (int16).
+macro_rules! typed {
+    ($(#[$doc:meta])* $name:ident, $t:ty) => {
+        $(#[$doc])*
+        #[pyfunction]
+        #[allow(clippy::too_many_arguments)]
+        fn $name(
+            py: Python<'_>,
+            q: PyReadonlyArray3<'_, $t>,
+            k_cache: PyReadonlyArray3<'_, $t>,
+            v_cache: PyReadonlyArray3<'_, $t>,
+            key_loc: PyReadonlyArray2<'_, i64>,
+            mask: PyReadonlyArray3<'_, bool>,
+            query_row: PyReadonlyArray2<'_, i64>,
+            query_valid: PyReadonlyArray2<'_, bool>,
+            scale: f32,
+            out: Bound<'_, PyArray3<$t>>,
+        ) -> PyResult<()> {
+            let args = (key_loc, mask, query_row, query_valid, scale);
+            attend(py, q, k_cache, v_cache, args, out)
+        }
+    };
 }
 
-/// `attend_f32` in bf16, the values as int16 bits; float32 inside, the output rounded once.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn attend_bf16(
-    py: Python<'_>,
-    q: PyReadonlyArray3<'_, i16>,
-    k_cache: PyReadonlyArray3<'_, i16>,
-    v_cache: PyReadonlyArray3<'_, i16>,
-    key_loc: PyReadonlyArray2<'_, i64>,
-    mask: PyReadonlyArray3<'_, bool>,
-    query_row: PyReadonlyArray2<'_, i64>,
-    query_valid: PyReadonlyArray2<'_, bool>,
-    scale: f32,
-    out: Bound<'_, PyArray3<i16>>,
-) -> PyResult<()> {
-    attend(
-        py,
-        q,
-        k_cache,
-        v_cache,
-        key_loc,
-        mask,
-        query_row,
-        query_valid,
-        scale,
-        out,
-    )
-}
+typed!(
+    /// `out[row, h] = softmax(q[row, h] · K^T * scale | mask) V` for each valid query slot of each
+    /// request, K and V read from the pool at `key_loc`; rows no valid slot names are left as they are.
+    attend_f32,
+    f32
+);
+typed!(
+    /// `attend_f32` in bf16, the values as int16 bits; float32 inside, the output rounded once.
+    attend_bf16,
+    i16
+);
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attend_f32, m)?)?;
