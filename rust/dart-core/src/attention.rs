@@ -7,9 +7,9 @@
 //! DART step; benchmarks/results/throughput.md, runs 110-111). Here one call reads the pool where it lies,
 //! shares (request, KV head, block of query rows) tasks out among the team (`team`), and writes the output.
 //!
-//! A query's result depends only on its own row: its scores are computed key by key (each key one lane),
-//! and the softmax and the weighted sum of values run over the keys in their column order, the keys it may
-//! not see adding exact zeros. So a token attends bit-identically whether it is decoded alone or verified
+//! A query's result depends only on its own row: its scores are one dot product per key, and the softmax
+//! and the weighted sum of values run over the keys in their column order, the keys it may not see adding
+//! exact zeros. So a token attends bit-identically whether it is decoded alone or verified
 //! in a tree, wherever its ancestors sit among the tree's columns, and whatever else the batch holds.
 
 use std::sync::{Mutex, PoisonError};
@@ -73,6 +73,9 @@ fn check(
     out_len: usize,
 ) -> Result<(), AttentionError> {
     let s = shape;
+    if s.dim == 0 {
+        return Err(AttentionError("heads of dimension 0".into()));
+    }
     if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
         return Err(AttentionError(format!(
             "{} query heads cannot share {} KV heads",
@@ -180,8 +183,8 @@ pub fn attend<T: Element>(
 }
 
 fn run_task<T: Element>(s: &Shape, x: &Inputs<'_, T>, task: &mut Task<'_, T>) {
-    // The scratch is borrowed out here: a closure called inside `wide` is compiled apart from it, for the
-    // baseline CPU (so is every closure below: the loops call functions instead).
+    // The scratch is borrowed out here: code the compiler does not inline into `wide` (the thread-local's
+    // `with` closure, a closure handed to a helper) is compiled for the baseline CPU, without AVX-512.
     SCRATCH.with_borrow_mut(|scratch| {
         #[cfg(target_arch = "x86_64")]
         {
@@ -673,6 +676,8 @@ mod tests {
             kv_heads: 2,
             ..c.shape
         };
+        assert!(attend(&shape, &c.inputs(), &mut out).is_err());
+        let shape = Shape { dim: 0, ..c.shape };
         assert!(attend(&shape, &c.inputs(), &mut out).is_err());
     }
 
