@@ -94,6 +94,11 @@ class AttentionPlan:
         parts = (self.key_loc, self.mask, self.query_row, self.query_valid)
         return tuple(np.ascontiguousarray(t.numpy()) for t in parts)  # type: ignore[return-value]
 
+    def windowed_mask(self, sliding_window: int) -> torch.Tensor:
+        """mask with each query seeing only the keys at most `sliding_window` positions back."""
+        window = self.key_pos.unsqueeze(1) >= self.query_pos.unsqueeze(2) - sliding_window
+        return self.mask & window
+
     def folded_mask(self, group: int) -> torch.Tensor:
         """sdpa_mask for `group` query heads folded into the query rows (`_fold_heads`), made once per plan
         and shared by its layers."""
@@ -259,8 +264,7 @@ def attend(
     windowed = sliding_window is not None and sliding_window > -1
     mask = plan.sdpa_mask
     if windowed:
-        window = plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window
-        mask = _sdpa_mask(plan.mask & window)
+        mask = _sdpa_mask(plan.windowed_mask(sliding_window))
     capped = bool(logit_cap and logit_cap > 0)
     group = queries.shape[2] // kp.shape[1]
     block = query_block(bs, queries.shape[2], width_q, kp.shape[2])

@@ -52,8 +52,8 @@ def enabled() -> bool:
     return value == "1"
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (no copy): bf16 as its bits in int16."""
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (no copy): bf16 as its bits in int16 (what the Rust kernels take)."""
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -106,7 +106,7 @@ class _Weights:
             return held[2]
         if len(self._views) >= self.LIMIT:
             self._views.clear()
-        array = _array(t.detach())
+        array = numpy_view(t.detach())
         self._views[key] = (t.data_ptr(), t, array)
         return array
 
@@ -122,7 +122,9 @@ def rms_norm(
     before the weight multiplies it (`weight * normed.to(dtype)`, the DART drafter's norm)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
-    _KERNELS[x.dtype]["rms_norm"](_array(rows), _weights.view(weight), _array(out), eps, cast_before_weight)
+    _KERNELS[x.dtype]["rms_norm"](
+        numpy_view(rows), _weights.view(weight), numpy_view(out), eps, cast_before_weight
+    )
     return out.view(x.shape)
 
 
@@ -135,7 +137,7 @@ def add_rms_norm(
     shape = x.shape
     rows = x.reshape(-1, shape[-1]).contiguous()
     residual_rows = residual.reshape(-1, shape[-1]).contiguous()
-    _KERNELS[x.dtype]["add_rms_norm"](_array(rows), _array(residual_rows), _weights.view(weight), eps)
+    _KERNELS[x.dtype]["add_rms_norm"](numpy_view(rows), numpy_view(residual_rows), _weights.view(weight), eps)
     return rows.view(shape), residual_rows.view(shape)
 
 
@@ -144,7 +146,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty((rows.shape[0], half), dtype=x.dtype)
-    _KERNELS[x.dtype]["silu_and_mul"](_array(rows), _array(out))
+    _KERNELS[x.dtype]["silu_and_mul"](numpy_view(rows), numpy_view(out))
     return out.view(*x.shape[:-1], half)
 
 
@@ -169,7 +171,7 @@ def rotary(
     if k_rows.stride(-1) != 1:
         k_rows = k_rows.contiguous()
     _KERNELS[query.dtype]["rotary"](
-        positions.numpy(), _weights.view(cos_sin), _array(q_rows), _array(k_rows), head_size, neox
+        positions.numpy(), _weights.view(cos_sin), numpy_view(q_rows), numpy_view(k_rows), head_size, neox
     )
     return q_rows.view(query.shape), k_rows.view(key.shape)
 

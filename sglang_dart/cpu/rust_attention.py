@@ -19,10 +19,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from sglang_dart import _core
+from sglang_dart.cpu.rowwise_ops import numpy_view
 
 if TYPE_CHECKING:
     from sglang_dart.attention.tree_attention import AttentionPlan
@@ -79,11 +79,6 @@ def applies(
     )
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a contiguous CPU tensor (no copy): bf16 as its bits in int16."""
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-
-
 def attend(
     plan: AttentionPlan,
     q: torch.Tensor,
@@ -96,21 +91,20 @@ def attend(
     k_cache/v_cache [slots, Hkv, D/Dv]. Returns [T, H, Dv] in q's dtype."""
     key_loc, mask, query_row, query_valid = plan.host_arrays
     if sliding_window is not None and sliding_window > -1:
-        window = plan.key_pos.unsqueeze(1) >= plan.query_pos.unsqueeze(2) - sliding_window
-        mask = (plan.mask & window).numpy()
+        mask = plan.windowed_mask(sliding_window).numpy()
     rows, heads = q.shape[0], q.shape[1]
     # Rows no query slot names (a plan whose requests have fewer queries than rows) stay zero.
     covered = plan.dense and rows == query_row.size
     out = (torch.empty if covered else torch.zeros)((rows, heads, v_cache.shape[-1]), dtype=q.dtype)
     _KERNELS[q.dtype](
-        _array(q.contiguous()),
-        _array(k_cache),
-        _array(v_cache),
+        numpy_view(q.contiguous()),
+        numpy_view(k_cache),
+        numpy_view(v_cache),
         key_loc,
         mask,
         query_row,
         query_valid,
         scaling,
-        _array(out),
+        numpy_view(out),
     )
     return out
