@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 
 ENV = "SGLANG_DART_CPU_ATTENTION"
 CHOICES = ("rust", "torch")
-# Queries a request at most: a tree of 16 measured slower in Rust than torch's SDPA (one request, 300
-# cached tokens, bf16: 257 against 218 us; 9 queries 148 against 178, one query 46 against 110).
-MAX_QUERIES = 8
+# Queries a request at most: more are a prefill chunk, left to torch's SDPA (the Rust kernel gathers a
+# request's keys again for every 16 query rows). Rust against torch per layer (one request, 300 cached tokens,
+# bf16, Python call included): one query 42 against 112 us, trees of 8 95 against 160, of 16 152 against
+# 212, of 32 272 against 318 (benchmarks/results/throughput.md, run 116).
+MAX_QUERIES = 32
 
 _KERNELS = {torch.float32: _core.attend_f32, torch.bfloat16: _core.attend_bf16}
 _active = False

@@ -100,10 +100,11 @@ def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype):
 
 
 def test_forwards_it_does_not_take_stay_with_torch(rust_on):
-    case = Case([10], [rust_attention.MAX_QUERIES + 1], seed=1)
-    loc = torch.zeros(rust_attention.MAX_QUERIES + 1, dtype=torch.int64)
+    too_many = rust_attention.MAX_QUERIES + 1
+    case = Case([10], [too_many], seed=1)
+    loc = torch.zeros(too_many, dtype=torch.int64)
     long_plan = make_plan(
-        case.req_to_token, case.req_pool_indices, torch.tensor([10]), torch.tensor([9]), None, loc
+        case.req_to_token, case.req_pool_indices, torch.tensor([10]), torch.tensor([too_many]), None, loc
     )
     assert not rust_attention.applies(long_plan, case.q, case.k_cache, case.v_cache, 0.0)
     short = Case([10], [2], seed=1)

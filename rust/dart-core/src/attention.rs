@@ -9,7 +9,8 @@
 //!
 //! A query's result depends only on its own row: its scores are one dot product per key, and the softmax
 //! and the weighted sum of values run over the keys in their column order, the keys it may not see adding
-//! exact zeros. So a token attends bit-identically whether it is decoded alone or verified
+//! exact zeros. The AVX-512 path shares loads between rows and keys (two query rows against eight keys,
+//! four rows against each value row) but keeps one accumulator per output, each summed in one fixed order. So a token attends bit-identically whether it is decoded alone or verified
 //! in a tree, wherever its ancestors sit among the tree's columns, and whatever else the batch holds.
 
 use std::sync::{Mutex, PoisonError};
@@ -19,6 +20,8 @@ use crate::team;
 
 /// Partial sums of a dot product (one vector); query and key rows are zero-padded to a multiple.
 const DOT_LANES: usize = 16;
+/// Keys scored together (the AVX-512 path folds their 16-lane partial sums into one vector of scores).
+const KEY_BLOCK: usize = 8;
 /// Value columns summed in one pass over the keys (four vectors); value rows are zero-padded to a multiple.
 const VALUE_BLOCK: usize = 64;
 /// Query rows (query, head) a task takes at most: enough to share the gathered keys, few enough that one
@@ -195,7 +198,7 @@ fn run_task<T: Element>(s: &Shape, x: &Inputs<'_, T>, task: &mut Task<'_, T>) {
                 task: &mut Task<'_, T>,
                 scratch: &mut Scratch,
             ) {
-                task_body::<T, avx512::Dot>(s, x, task, scratch)
+                task_body::<T, avx512::Blocks>(s, x, task, scratch)
             }
             if std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw")
@@ -205,7 +208,7 @@ fn run_task<T: Element>(s: &Shape, x: &Inputs<'_, T>, task: &mut Task<'_, T>) {
                 return unsafe { wide(s, x, task, scratch) };
             }
         }
-        task_body::<T, PortableDot>(s, x, task, scratch)
+        task_body::<T, Portable>(s, x, task, scratch)
     })
 }
 
@@ -246,7 +249,7 @@ fn widen<T: Element>(dst: &mut [f32], src: &[T]) {
 /// against its query rows, softmax each row over the keys it sees, and sum the values. Keys no row of the
 /// task sees stay zero, so an unwritten pool slot (any bits) never reaches a sum.
 #[inline(always)]
-fn task_body<T: Element, D: DotProduct>(
+fn task_body<T: Element, K: Kernels>(
     s: &Shape,
     x: &Inputs<'_, T>,
     task: &mut Task<'_, T>,
@@ -255,9 +258,18 @@ fn task_body<T: Element, D: DotProduct>(
     let (keys, dim, dim_v) = (s.keys, s.dim, s.dim_v);
     let lanes_q = dim.div_ceil(DOT_LANES) * DOT_LANES;
     let lanes_v = dim_v.div_ceil(VALUE_BLOCK) * VALUE_BLOCK;
+    // Scores are taken KEY_BLOCK keys at a time; the padding keys are zeros no softmax reads.
+    let keys_padded = keys.div_ceil(KEY_BLOCK) * KEY_BLOCK;
     let rows = task.rows.len();
+    if keys == 0 {
+        // No key to see: zeros, as for a query whose mask hides every key.
+        for out in task.outs.iter_mut() {
+            out.fill(T::from_f32(0.0));
+        }
+        return;
+    }
     let masks = &x.mask[task.request * s.queries * keys..][..s.queries * keys];
-    let key_rows = sized(&mut scratch.key_rows, keys * lanes_q); // [keys, lanes_q]
+    let key_rows = sized(&mut scratch.key_rows, keys_padded * lanes_q); // [keys_padded, lanes_q]
     let values = sized(&mut scratch.values, keys * lanes_v); // [keys, lanes_v]
     for (j, (key, value)) in key_rows
         .chunks_exact_mut(lanes_q)
@@ -273,6 +285,7 @@ fn task_body<T: Element, D: DotProduct>(
         widen(key, &x.k_cache[base * dim..][..dim]);
         widen(value, &x.v_cache[base * dim_v..][..dim_v]);
     }
+    key_rows[keys * lanes_q..].fill(0.0);
     let queries = sized(&mut scratch.queries, rows * lanes_q); // [rows, lanes_q]
     for (n, &(query, head)) in task.rows.iter().enumerate() {
         let row = x.query_row[task.request * s.queries + query] as usize;
@@ -281,71 +294,280 @@ fn task_body<T: Element, D: DotProduct>(
             &x.q[(row * s.heads + head) * dim..][..dim],
         );
     }
-    // [rows, keys]: scores, then softmax numerators
-    let weights = sized(&mut scratch.weights, rows * keys);
-    for (n, (&(query, _), row)) in task
-        .rows
-        .iter()
-        .zip(weights.chunks_exact_mut(keys.max(1)))
-        .enumerate()
-    {
-        let q = &queries[n * lanes_q..][..lanes_q];
-        for (w, k) in row.iter_mut().zip(key_rows.chunks_exact(lanes_q)) {
-            *w = D::dot(q, k) * x.scale;
-        }
-        softmax_numerators(row, &masks[query * keys..][..keys]);
+    // [rows, keys_padded]: scores, then softmax numerators
+    let weights = sized(&mut scratch.weights, rows * keys_padded);
+    K::scores(queries, key_rows, lanes_q, x.scale, weights);
+    for (&(query, _), row) in task.rows.iter().zip(weights.chunks_exact_mut(keys_padded)) {
+        softmax_numerators(&mut row[..keys], &masks[query * keys..][..keys]);
     }
-    let sums = sized(&mut scratch.sums, lanes_v); // one row's weighted sum
-    for (n, out) in task.outs.iter_mut().enumerate() {
-        let total = weighted_sum(&weights[n * keys..][..keys], values, lanes_v, sums);
+    let sums = sized(&mut scratch.sums, rows * lanes_v); // [rows, lanes_v]
+    let mut totals = [0.0f32; ROWS_PER_TASK];
+    K::weighted_sums(
+        weights,
+        keys_padded,
+        values,
+        keys,
+        lanes_v,
+        sums,
+        &mut totals,
+    );
+    for ((out, row_sums), total) in task
+        .outs
+        .iter_mut()
+        .zip(sums.chunks_exact(lanes_v))
+        .zip(totals)
+    {
         let inverse = if total > 0.0 { 1.0 / total } else { 0.0 };
-        for (o, acc) in out.iter_mut().zip(sums.iter()) {
+        for (o, acc) in out.iter_mut().zip(row_sums) {
             *o = T::from_f32(acc * inverse);
         }
     }
 }
 
-/// How a task takes its dot products: `dot` below, or the same sums in AVX-512 vectors where `wide`
-/// runs (the compiler splits the portable loop into 2-lane pieces). Each is one fixed sequence of
-/// operations, so on one machine a score depends only on its query and key.
-trait DotProduct {
-    fn dot(a: &[f32], b: &[f32]) -> f32;
+/// How a task takes its scores and weighted sums: the portable loops below, or AVX-512 blocks where
+/// `wide` runs. Each computes every score and every output column by one fixed sequence of operations
+/// whatever the other rows and keys of the call, so on one machine a row's result depends only on its
+/// own query, the keys it sees and their values.
+trait Kernels {
+    /// `scores[n * keys_padded + j] = (queries[n] · key_rows[j]) * scale`: rows of `lanes_q` floats,
+    /// `keys_padded` (a multiple of `KEY_BLOCK`) key rows.
+    fn scores(queries: &[f32], key_rows: &[f32], lanes_q: usize, scale: f32, scores: &mut [f32]);
+    /// Row n's weighted sum of the values and the sum of its weights (`weights[n * stride..]`), both
+    /// over the first `keys` keys in their order: a key the row does not see (weight 0) changes neither,
+    /// wherever it sits.
+    fn weighted_sums(
+        weights: &[f32],
+        stride: usize,
+        values: &[f32],
+        keys: usize,
+        lanes_v: usize,
+        sums: &mut [f32],
+        totals: &mut [f32],
+    );
 }
 
-struct PortableDot;
+struct Portable;
 
-impl DotProduct for PortableDot {
+impl Kernels for Portable {
     #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        dot(a, b)
+    fn scores(queries: &[f32], key_rows: &[f32], lanes_q: usize, scale: f32, scores: &mut [f32]) {
+        let keys_padded = key_rows.len() / lanes_q;
+        for (q, row) in queries
+            .chunks_exact(lanes_q)
+            .zip(scores.chunks_exact_mut(keys_padded))
+        {
+            for (w, k) in row.iter_mut().zip(key_rows.chunks_exact(lanes_q)) {
+                *w = dot(q, k) * scale;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn weighted_sums(
+        weights: &[f32],
+        stride: usize,
+        values: &[f32],
+        keys: usize,
+        lanes_v: usize,
+        sums: &mut [f32],
+        totals: &mut [f32],
+    ) {
+        for ((row, dst), total) in weights
+            .chunks_exact(stride)
+            .zip(sums.chunks_exact_mut(lanes_v))
+            .zip(totals)
+        {
+            *total = weighted_sum(&row[..keys], values, lanes_v, dst);
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::{KEY_BLOCK, VALUE_BLOCK};
     use std::arch::x86_64::*;
 
     /// Only `run_task`'s `wide`, which runs after detecting AVX-512F, instantiates a task with it.
-    pub(super) struct Dot;
+    pub(super) struct Blocks;
 
-    impl super::DotProduct for Dot {
+    impl super::Kernels for Blocks {
         #[inline(always)]
-        fn dot(a: &[f32], b: &[f32]) -> f32 {
-            // SAFETY: this impl is used only inside `wide`, on a CPU with AVX-512F (see `Dot`).
-            unsafe { dot(a, b) }
+        fn scores(
+            queries: &[f32],
+            key_rows: &[f32],
+            lanes_q: usize,
+            scale: f32,
+            scores: &mut [f32],
+        ) {
+            // SAFETY: this impl is used only inside `wide`, on a CPU with AVX-512F (see `Blocks`).
+            unsafe { score_rows(queries, key_rows, lanes_q, scale, scores) }
+        }
+
+        #[inline(always)]
+        fn weighted_sums(
+            weights: &[f32],
+            stride: usize,
+            values: &[f32],
+            keys: usize,
+            lanes_v: usize,
+            sums: &mut [f32],
+            totals: &mut [f32],
+        ) {
+            let rows = sums.len() / lanes_v;
+            let mut first = 0;
+            while first < rows {
+                let w = &weights[first * stride..];
+                let (out, total) = (&mut sums[first * lanes_v..], &mut totals[first..]);
+                // SAFETY: as above.
+                first += unsafe {
+                    match rows - first {
+                        4.. => value_tile::<4>(w, stride, values, keys, lanes_v, out, total),
+                        3 => value_tile::<3>(w, stride, values, keys, lanes_v, out, total),
+                        2 => value_tile::<2>(w, stride, values, keys, lanes_v, out, total),
+                        _ => value_tile::<1>(w, stride, values, keys, lanes_v, out, total),
+                    }
+                };
+            }
         }
     }
 
-    /// `a · b` for rows of a multiple of 16: products added into one 16-lane vector, then its lanes.
+    /// Every row's scores, `KEY_BLOCK` keys at a time, two rows at once: each key vector loaded feeds
+    /// both rows. A score is its key's 16-lane partial sums (the column chunks in order), folded by
+    /// `fold8`: the same operations whether its row was paired or not.
     #[target_feature(enable = "avx512f")]
-    unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let mut acc = _mm512_setzero_ps();
-        for (a, b) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
-            // SAFETY: each chunk holds exactly 16 floats, what an unaligned 512-bit load reads.
-            let (va, vb) = unsafe { (_mm512_loadu_ps(a.as_ptr()), _mm512_loadu_ps(b.as_ptr())) };
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(va, vb));
+    fn score_rows(queries: &[f32], key_rows: &[f32], lanes_q: usize, scale: f32, out: &mut [f32]) {
+        let keys_padded = key_rows.len() / lanes_q;
+        let rows = queries.len() / lanes_q;
+        let mut first = 0;
+        while first < rows {
+            let (q, dst) = (&queries[first * lanes_q..], &mut out[first * keys_padded..]);
+            first += match rows - first {
+                2.. => score_tile::<2>(q, key_rows, lanes_q, scale, dst),
+                _ => score_tile::<1>(q, key_rows, lanes_q, scale, dst),
+            };
         }
-        _mm512_reduce_add_ps(acc)
+    }
+
+    /// The scores of R query rows against every key row; returns R.
+    #[target_feature(enable = "avx512f")]
+    fn score_tile<const R: usize>(
+        queries: &[f32],
+        key_rows: &[f32],
+        lanes_q: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) -> usize {
+        let keys_padded = key_rows.len() / lanes_q;
+        // Every access below falls inside these ranges, checked here once.
+        assert!(lanes_q.is_multiple_of(16) && keys_padded.is_multiple_of(KEY_BLOCK));
+        assert!(queries.len() >= R * lanes_q && out.len() >= R * keys_padded);
+        let (qp, kp) = (queries.as_ptr(), key_rows.as_ptr());
+        let scale = _mm256_set1_ps(scale);
+        for block in (0..keys_padded).step_by(KEY_BLOCK) {
+            let mut acc = [[_mm512_setzero_ps(); KEY_BLOCK]; R];
+            for c in (0..lanes_q).step_by(16) {
+                let mut qv = [_mm512_setzero_ps(); R];
+                for (r, q) in qv.iter_mut().enumerate() {
+                    // SAFETY: r * lanes_q + c + 16 <= R * lanes_q <= queries.len().
+                    *q = unsafe { _mm512_loadu_ps(qp.add(r * lanes_q + c)) };
+                }
+                for j in 0..KEY_BLOCK {
+                    // SAFETY: (block + j) * lanes_q + c + 16 <= keys_padded * lanes_q.
+                    let kv = unsafe { _mm512_loadu_ps(kp.add((block + j) * lanes_q + c)) };
+                    for (acc_r, q) in acc.iter_mut().zip(&qv) {
+                        acc_r[j] = _mm512_fmadd_ps(*q, kv, acc_r[j]);
+                    }
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                let scores = _mm256_mul_ps(fold8(acc_r), scale);
+                // SAFETY: r * keys_padded + block + 8 <= R * keys_padded <= out.len().
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * keys_padded + block), scores) };
+            }
+        }
+        R
+    }
+
+    /// Lane j of the result is the sum of the 16 lanes of `v[j]`, added in one pattern for every j:
+    /// (x0 + x2) + (x1 + x3) within each 128-bit quarter, then (q0 + q1) + (q2 + q3) across quarters.
+    #[target_feature(enable = "avx512f")]
+    fn fold8(v: &[__m512; KEY_BLOCK]) -> __m256 {
+        // [a0+a2, b0+b2, a1+a3, b1+b3] in each quarter
+        let pairs = |a, b| _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        // [a, b, c, d], each (x0+x2)+(x1+x3) of its quarter, from two `pairs`
+        let quads = |ab, cd| {
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(ab, cd),
+                _mm512_shuffle_ps::<0b11_10_11_10>(ab, cd),
+            )
+        };
+        // quarters [x.q0 + x.q1, x.q2 + x.q3, y.q0 + y.q1, y.q2 + y.q3]
+        let halves = |x, y| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            )
+        };
+        let t0 = quads(pairs(v[0], v[1]), pairs(v[2], v[3]));
+        let t1 = quads(pairs(v[4], v[5]), pairs(v[6], v[7]));
+        let h = halves(t0, t1);
+        // quarters [t0's sums, t1's sums, (again)]
+        _mm512_castps512_ps256(halves(h, h))
+    }
+
+    /// Weighted sums of R rows: each value vector loaded once feeds the R rows' accumulators, each a
+    /// chain of fused multiply-adds over the keys in order; the weights' totals are plain sums in the
+    /// same order (taken along the first block of columns). Returns R.
+    #[target_feature(enable = "avx512f")]
+    fn value_tile<const R: usize>(
+        weights: &[f32],
+        stride: usize,
+        values: &[f32],
+        keys: usize,
+        lanes_v: usize,
+        sums: &mut [f32],
+        totals: &mut [f32],
+    ) -> usize {
+        // Every access below falls inside these ranges, checked here once.
+        assert!(lanes_v.is_multiple_of(VALUE_BLOCK) && values.len() >= keys * lanes_v);
+        assert!(keys <= stride && weights.len() >= (R - 1) * stride + keys);
+        assert!(sums.len() >= R * lanes_v && totals.len() >= R);
+        let mut total = [0.0f32; R];
+        for column in (0..lanes_v).step_by(VALUE_BLOCK) {
+            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+            for j in 0..keys {
+                // SAFETY: j * lanes_v + column + 64 <= keys * lanes_v <= values.len().
+                let v = unsafe {
+                    let p = values.as_ptr().add(j * lanes_v + column);
+                    [
+                        _mm512_loadu_ps(p),
+                        _mm512_loadu_ps(p.add(16)),
+                        _mm512_loadu_ps(p.add(32)),
+                        _mm512_loadu_ps(p.add(48)),
+                    ]
+                };
+                for (r, (acc_r, total_r)) in acc.iter_mut().zip(total.iter_mut()).enumerate() {
+                    let weight = weights[r * stride + j];
+                    if column == 0 {
+                        *total_r += weight;
+                    }
+                    let w = _mm512_set1_ps(weight);
+                    for (a, &vi) in acc_r.iter_mut().zip(&v) {
+                        *a = _mm512_fmadd_ps(w, vi, *a);
+                    }
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (i, a) in acc_r.iter().enumerate() {
+                    // SAFETY: r * lanes_v + column + 16 * i + 16 <= R * lanes_v <= sums.len().
+                    unsafe {
+                        _mm512_storeu_ps(sums.as_mut_ptr().add(r * lanes_v + column + 16 * i), *a)
+                    };
+                }
+            }
+        }
+        totals[..R].copy_from_slice(&total);
+        R
     }
 }
 
@@ -363,6 +585,41 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
             lanes[l] += a[l] * b[l];
         }
     }
+    fold_lanes(lanes)
+}
+
+/// A row of scores in place becomes e^(score - max) where `mask` lets the query see the key, 0 where
+/// not (the max over the seen keys; all zeros if it sees none). Exact whatever the lanes' order: a max.
+#[inline(always)]
+fn softmax_numerators(row: &mut [f32], mask: &[bool]) {
+    // Whole chunks as fixed-size arrays and the tail apart, so that the lanes stay in registers (a
+    // runtime-length chunk kept them in memory, a store and a load per chunk).
+    let split = row.len() - row.len() % DOT_LANES;
+    let mut lanes = [f32::NEG_INFINITY; DOT_LANES];
+    let take_max = |lanes: &mut [f32; DOT_LANES], chunk: &[f32], seen: &[bool]| {
+        for ((lane, &w), &seen) in lanes.iter_mut().zip(chunk).zip(seen) {
+            *lane = if seen && w > *lane { w } else { *lane };
+        }
+    };
+    for (chunk, seen) in row[..split]
+        .chunks_exact(DOT_LANES)
+        .zip(mask[..split].chunks_exact(DOT_LANES))
+    {
+        take_max(&mut lanes, chunk, seen);
+    }
+    take_max(&mut lanes, &row[split..], &mask[split..]);
+    let max = lanes
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    for (w, &seen) in row.iter_mut().zip(mask) {
+        let numerator = exp_f32(*w - max);
+        *w = if seen { numerator } else { 0.0 };
+    }
+}
+
+/// The lanes added pairwise in a fixed tree (lane l with l + 8, then l + 4, ...).
+#[inline(always)]
+fn fold_lanes(mut lanes: [f32; DOT_LANES]) -> f32 {
     let mut width = DOT_LANES / 2;
     while width > 0 {
         for l in 0..width {
@@ -371,25 +628,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         width /= 2;
     }
     lanes[0]
-}
-
-/// A row of scores in place becomes e^(score - max) where `mask` lets the query see the key, 0 where
-/// not (the max over the seen keys; all zeros if it sees none). Exact whatever the lanes' order: a max.
-#[inline(always)]
-fn softmax_numerators(row: &mut [f32], mask: &[bool]) {
-    let mut lanes = [f32::NEG_INFINITY; DOT_LANES];
-    for (chunk, seen) in row.chunks(DOT_LANES).zip(mask.chunks(DOT_LANES)) {
-        for ((lane, &w), &seen) in lanes.iter_mut().zip(chunk).zip(seen) {
-            *lane = if seen && w > *lane { w } else { *lane };
-        }
-    }
-    let max = lanes
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
-    for (w, &seen) in row.iter_mut().zip(mask) {
-        let numerator = exp_f32(*w - max);
-        *w = if seen { numerator } else { 0.0 };
-    }
 }
 
 /// `sums = sum_j weights[j] * values[j]` over the keys in order, `VALUE_BLOCK` columns at a time in
@@ -558,9 +796,16 @@ mod tests {
 
     #[test]
     fn matches_the_definition_in_float32() {
-        for (seed, requests, queries, keys) in
-            [(1, 1, 1, 5), (2, 1, 9, 300), (3, 4, 4, 37), (4, 3, 16, 17)]
-        {
+        // Keys below, at and past a block of 8; 1 to 32 queries (tiles of 1 and 2 rows for scores, 1 to 4
+        // for values).
+        for (seed, requests, queries, keys) in [
+            (1, 1, 1, 5),
+            (2, 1, 9, 300),
+            (3, 4, 4, 37),
+            (4, 3, 16, 17),
+            (9, 2, 32, 8),
+            (10, 1, 31, 9),
+        ] {
             let c = case(seed, requests, queries, keys);
             let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
             attend(&c.shape, &c.inputs(), &mut out).unwrap();
@@ -679,6 +924,20 @@ mod tests {
         assert!(attend(&shape, &c.inputs(), &mut out).is_err());
         let shape = Shape { dim: 0, ..c.shape };
         assert!(attend(&shape, &c.inputs(), &mut out).is_err());
+    }
+
+    #[test]
+    fn no_keys_give_zeros() {
+        let c = case(11, 2, 3, 4);
+        let shape = Shape { keys: 0, ..c.shape };
+        let inputs = Inputs {
+            key_loc: &[],
+            mask: &[],
+            ..c.inputs()
+        };
+        let mut out = vec![1.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
+        attend(&shape, &inputs, &mut out).unwrap();
+        assert!(out.iter().all(|&x| x == 0.0));
     }
 
     #[test]
