@@ -128,6 +128,24 @@ pub fn attend<T: Element>(
     inputs: &Inputs<'_, T>,
     out: &mut [T],
 ) -> Result<(), AttentionError> {
+    attend_with(shape, inputs, out, Path::Fastest)
+}
+
+/// Which kernels a call runs: the fastest this CPU has, or the portable loops (which tests check
+/// directly, since the machines they run on take the AVX-512 path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Fastest,
+    #[cfg_attr(not(test), allow(dead_code))]
+    Portable,
+}
+
+fn attend_with<T: Element>(
+    shape: &Shape,
+    inputs: &Inputs<'_, T>,
+    out: &mut [T],
+    path: Path,
+) -> Result<(), AttentionError> {
     check(shape, inputs, out.len())?;
     let s = *shape;
     if s.rows == 0 || s.heads == 0 || s.dim_v == 0 {
@@ -180,12 +198,12 @@ pub fn attend<T: Element>(
     }
     team::for_each_index(tasks.len(), &|index| {
         let mut task = tasks[index].lock().unwrap_or_else(PoisonError::into_inner);
-        run_task(&s, inputs, &mut task);
+        run_task(&s, inputs, &mut task, path);
     });
     Ok(())
 }
 
-fn run_task<T: Element>(s: &Shape, x: &Inputs<'_, T>, task: &mut Task<'_, T>) {
+fn run_task<T: Element>(s: &Shape, x: &Inputs<'_, T>, task: &mut Task<'_, T>, path: Path) {
     // The scratch is borrowed out here: code the compiler does not inline into `wide` (the thread-local's
     // `with` closure, a closure handed to a helper) is compiled for the baseline CPU, without AVX-512.
     SCRATCH.with_borrow_mut(|scratch| {
@@ -200,7 +218,8 @@ fn run_task<T: Element>(s: &Shape, x: &Inputs<'_, T>, task: &mut Task<'_, T>) {
             ) {
                 task_body::<T, avx512::Blocks>(s, x, task, scratch)
             }
-            if std::arch::is_x86_feature_detected!("avx512f")
+            if path == Path::Fastest
+                && std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw")
             {
                 // SAFETY: `wide` only enables AVX-512F/BW and AVX2, which this CPU has (AVX-512F
@@ -208,6 +227,8 @@ fn run_task<T: Element>(s: &Shape, x: &Inputs<'_, T>, task: &mut Task<'_, T>) {
                 return unsafe { wide(s, x, task, scratch) };
             }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = path; // one path only here
         task_body::<T, Portable>(s, x, task, scratch)
     })
 }
@@ -660,6 +681,8 @@ mod tests {
     use super::*;
     use crate::gemm_bf16::{bf16_to_f32, f32_to_bf16};
 
+    const PATHS: [Path; 2] = [Path::Fastest, Path::Portable];
+
     /// A small deterministic generator (no dependency for tests).
     struct Lcg(u64);
     impl Lcg {
@@ -807,11 +830,16 @@ mod tests {
             (10, 1, 31, 9),
         ] {
             let c = case(seed, requests, queries, keys);
-            let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
-            attend(&c.shape, &c.inputs(), &mut out).unwrap();
             let want = reference(&c.shape, &c.inputs());
-            for (a, b) in out.iter().zip(&want) {
-                assert!((a - b).abs() <= 2e-5 * (1.0 + b.abs()), "{a} vs {b}");
+            for path in PATHS {
+                let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
+                attend_with(&c.shape, &c.inputs(), &mut out, path).unwrap();
+                for (a, b) in out.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
+                        "{path:?}: {a} vs {b}"
+                    );
+                }
             }
         }
     }
@@ -833,6 +861,8 @@ mod tests {
         };
         let mut out = vec![0u16; c.shape.rows * c.shape.heads * c.shape.dim_v];
         attend(&c.shape, &inputs, &mut out).unwrap();
+        let mut portable = vec![0u16; out.len()];
+        attend_with(&c.shape, &inputs, &mut portable, Path::Portable).unwrap();
         // The reference on the same bf16 values, rounded once.
         let back = |v: &[u16]| v.iter().map(|&x| bf16_to_f32(x)).collect::<Vec<f32>>();
         let (qf, kf, vf) = (back(&q), back(&k), back(&v));
@@ -845,9 +875,13 @@ mod tests {
                 ..c.inputs()
             },
         );
-        for (a, b) in out.iter().zip(&want) {
-            let a = bf16_to_f32(*a);
+        for ((a, p), b) in out.iter().zip(&portable).zip(&want) {
+            let (a, p) = (bf16_to_f32(*a), bf16_to_f32(*p));
             assert!((a - b).abs() <= 8e-3 * (1.0 + b.abs()), "{a} vs {b}");
+            assert!(
+                (p - b).abs() <= 8e-3 * (1.0 + b.abs()),
+                "portable: {p} vs {b}"
+            );
         }
     }
 
@@ -855,9 +889,15 @@ mod tests {
     /// and unseen keys between them: decode and tree verify agree exactly.
     #[test]
     fn a_row_does_not_depend_on_the_others() {
+        for path in PATHS {
+            row_alone_and_among_others(path);
+        }
+    }
+
+    fn row_alone_and_among_others(path: Path) {
         let c = case(6, 1, 9, 40);
         let mut out = vec![0.0f32; c.shape.rows * c.shape.heads * c.shape.dim_v];
-        attend(&c.shape, &c.inputs(), &mut out).unwrap();
+        attend_with(&c.shape, &c.inputs(), &mut out, path).unwrap();
         let visible: Vec<usize> = (0..c.shape.keys).filter(|&j| c.mask[j]).collect();
         // The same query alone, its visible keys in the same order but at other columns, among unseen ones.
         let keys = visible.len() * 2 + 3;
@@ -883,8 +923,8 @@ mod tests {
             ..c.inputs()
         };
         let mut alone = vec![0.0f32; c.shape.heads * c.shape.dim_v];
-        attend(&shape, &inputs, &mut alone).unwrap();
-        assert_eq!(alone, out[..alone.len()].to_vec());
+        attend_with(&shape, &inputs, &mut alone, path).unwrap();
+        assert_eq!(alone, out[..alone.len()].to_vec(), "{path:?}");
     }
 
     #[test]
