@@ -31,8 +31,8 @@ ENV = "SGLANG_DART_CPU_ATTENTION"
 CHOICES = ("rust", "torch")
 # Queries a request at most: more are a prefill chunk, left to torch's SDPA (the Rust kernel gathers a
 # request's keys again for every 16 query rows). Rust against torch per layer (one request, 300 cached tokens,
-# bf16, Python call included): one query 42 against 112 us, trees of 8 95 against 160, of 16 152 against
-# 212, of 32 272 against 318 (benchmarks/results/throughput.md, run 116).
+# bf16, Python call included): one query 43 against 110 us, trees of 8 95 against 161, of 16 168 against
+# 216, of 32 274 against 336 (benchmarks/attention_layer.py; throughput.md, run 116).
 MAX_QUERIES = 32
 
 _KERNELS = {torch.float32: _core.attend_f32, torch.bfloat16: _core.attend_bf16}
