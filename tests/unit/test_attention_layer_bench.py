@@ -2,7 +2,6 @@
 lists must go to the Rust kernel, and its trees must be trees (each query sees the cache, itself and its
 ancestors only)."""
 
-import importlib.util
 import random
 import subprocess
 import sys
@@ -11,15 +10,13 @@ from pathlib import Path
 import torch
 
 from sglang_dart.cpu import rust_attention
+from tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_layer.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("attention_layer", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _module():  # noqa: ANN202 - a script, loaded by path
+    return load_script(SCRIPT)
 
 
 def test_trees_are_chains_to_the_root():

@@ -3,7 +3,6 @@ drafters ship and come back from a GPU host), its integer tensors and other file
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,14 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support.scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cast_drafter.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("cast_drafter", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _module():  # noqa: ANN202 - a script, loaded by path
+    return load_script(SCRIPT)
 
 
 def test_float_tensors_are_cast_and_the_rest_kept(tmp_path: Path):

@@ -3,7 +3,6 @@ included; a missing or corrupt part is reported, never unpacked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -12,14 +11,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.support.scripts import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "offline_payload.py"
 
 
 def _payload_module():  # noqa: ANN202 - a script, loaded by path
-    spec = importlib.util.spec_from_file_location("offline_payload", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_round_trip_rebuilds_bf16_weights_byte_for_byte(tmp_path: Path) -> None:

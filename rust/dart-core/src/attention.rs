@@ -323,15 +323,14 @@ fn task_body<T: Element, K: Kernels>(
     }
     let sums = sized(&mut scratch.sums, rows * lanes_v); // [rows, lanes_v]
     let mut totals = [0.0f32; ROWS_PER_TASK];
-    K::weighted_sums(
+    let weighted = Weighted {
         weights,
-        keys_padded,
+        stride: keys_padded,
         values,
         keys,
         lanes_v,
-        sums,
-        &mut totals,
-    );
+    };
+    K::weighted_sums(weighted, sums, &mut totals);
     for ((out, row_sums), total) in task
         .outs
         .iter_mut()
@@ -353,18 +352,21 @@ trait Kernels {
     /// `scores[n * keys_padded + j] = (queries[n] · key_rows[j]) * scale`: rows of `lanes_q` floats,
     /// `keys_padded` (a multiple of `KEY_BLOCK`) key rows.
     fn scores(queries: &[f32], key_rows: &[f32], lanes_q: usize, scale: f32, scores: &mut [f32]);
-    /// Row n's weighted sum of the values and the sum of its weights (`weights[n * stride..]`), both
-    /// over the first `keys` keys in their order: a key the row does not see (weight 0) changes neither,
-    /// wherever it sits.
-    fn weighted_sums(
-        weights: &[f32],
-        stride: usize,
-        values: &[f32],
-        keys: usize,
-        lanes_v: usize,
-        sums: &mut [f32],
-        totals: &mut [f32],
-    );
+    /// Row n's weighted sum of the values into `sums[n * lanes_v..]` and the sum of its weights into
+    /// `totals[n]`, both over the first `keys` keys in their order: a key the row does not see (weight 0)
+    /// changes neither, wherever it sits.
+    fn weighted_sums(w: Weighted<'_>, sums: &mut [f32], totals: &mut [f32]);
+}
+
+/// What the weighted sums read: softmax numerators, row n at `weights[n * stride..]` (its first `keys`
+/// used), and the gathered values, `[keys, lanes_v]`.
+#[derive(Clone, Copy)]
+struct Weighted<'a> {
+    weights: &'a [f32],
+    stride: usize,
+    values: &'a [f32],
+    keys: usize,
+    lanes_v: usize,
 }
 
 struct Portable;
@@ -384,28 +386,21 @@ impl Kernels for Portable {
     }
 
     #[inline(always)]
-    fn weighted_sums(
-        weights: &[f32],
-        stride: usize,
-        values: &[f32],
-        keys: usize,
-        lanes_v: usize,
-        sums: &mut [f32],
-        totals: &mut [f32],
-    ) {
-        for ((row, dst), total) in weights
-            .chunks_exact(stride)
-            .zip(sums.chunks_exact_mut(lanes_v))
+    fn weighted_sums(w: Weighted<'_>, sums: &mut [f32], totals: &mut [f32]) {
+        for ((row, dst), total) in w
+            .weights
+            .chunks_exact(w.stride)
+            .zip(sums.chunks_exact_mut(w.lanes_v))
             .zip(totals)
         {
-            *total = weighted_sum(&row[..keys], values, lanes_v, dst);
+            *total = weighted_sum(&row[..w.keys], w.values, w.lanes_v, dst);
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{KEY_BLOCK, VALUE_BLOCK};
+    use super::{Weighted, KEY_BLOCK, VALUE_BLOCK};
     use std::arch::x86_64::*;
 
     /// Only `run_task`'s `wide`, which runs after detecting AVX-512F, instantiates a task with it.
@@ -425,27 +420,22 @@ mod avx512 {
         }
 
         #[inline(always)]
-        fn weighted_sums(
-            weights: &[f32],
-            stride: usize,
-            values: &[f32],
-            keys: usize,
-            lanes_v: usize,
-            sums: &mut [f32],
-            totals: &mut [f32],
-        ) {
-            let rows = sums.len() / lanes_v;
+        fn weighted_sums(w: Weighted<'_>, sums: &mut [f32], totals: &mut [f32]) {
+            let rows = sums.len() / w.lanes_v;
             let mut first = 0;
             while first < rows {
-                let w = &weights[first * stride..];
-                let (out, total) = (&mut sums[first * lanes_v..], &mut totals[first..]);
+                let tile = Weighted {
+                    weights: &w.weights[first * w.stride..],
+                    ..w
+                };
+                let (out, total) = (&mut sums[first * w.lanes_v..], &mut totals[first..]);
                 // SAFETY: as above.
                 first += unsafe {
                     match rows - first {
-                        4.. => value_tile::<4>(w, stride, values, keys, lanes_v, out, total),
-                        3 => value_tile::<3>(w, stride, values, keys, lanes_v, out, total),
-                        2 => value_tile::<2>(w, stride, values, keys, lanes_v, out, total),
-                        _ => value_tile::<1>(w, stride, values, keys, lanes_v, out, total),
+                        4.. => value_tile::<4>(tile, out, total),
+                        3 => value_tile::<3>(tile, out, total),
+                        2 => value_tile::<2>(tile, out, total),
+                        _ => value_tile::<1>(tile, out, total),
                     }
                 };
             }
@@ -540,15 +530,14 @@ mod avx512 {
     /// chain of fused multiply-adds over the keys in order; the weights' totals are plain sums in the
     /// same order (taken along the first block of columns). Returns R.
     #[target_feature(enable = "avx512f")]
-    fn value_tile<const R: usize>(
-        weights: &[f32],
-        stride: usize,
-        values: &[f32],
-        keys: usize,
-        lanes_v: usize,
-        sums: &mut [f32],
-        totals: &mut [f32],
-    ) -> usize {
+    fn value_tile<const R: usize>(w: Weighted<'_>, sums: &mut [f32], totals: &mut [f32]) -> usize {
+        let Weighted {
+            weights,
+            stride,
+            values,
+            keys,
+            lanes_v,
+        } = w;
         // Every access below falls inside these ranges, checked here once.
         assert!(lanes_v.is_multiple_of(VALUE_BLOCK) && values.len() >= keys * lanes_v);
         assert!(keys <= stride && weights.len() >= (R - 1) * stride + keys);
