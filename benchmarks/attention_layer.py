@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from sglang_dart.attention.tree_attention import AttentionPlan, attend, make_plan
 from sglang_dart.cpu import rust_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: random trees
+from tests.support.tree_masks import random_tree_mask  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, SLOTS = 9, 3, 64, 65_536
 # (requests, queries a request, cached tokens a request)
@@ -25,15 +30,7 @@ SHAPES = [(1, 1, 300), (1, 8, 300), (1, 16, 300), (1, 16, 1000), (1, 32, 300), (
 
 def tree_layout(rng: random.Random, queries: int, cached: int) -> torch.Tensor:
     """[queries, cached + queries]: every query sees the cache, its ancestors in a random tree and itself."""
-    mask = torch.zeros(queries, cached + queries, dtype=torch.bool)
-    mask[:, :cached] = True
-    parent = [-1] + [rng.randrange(i) for i in range(1, queries)]
-    for i in range(queries):
-        j = i
-        while j >= 0:
-            mask[i, cached + j] = True
-            j = parent[j]
-    return mask
+    return torch.cat([torch.ones(queries, cached, dtype=torch.bool), random_tree_mask(rng, queries)], dim=1)
 
 
 def plan_for(requests: int, queries: int, cached: int, rng: random.Random) -> AttentionPlan:

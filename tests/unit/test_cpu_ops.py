@@ -21,6 +21,7 @@ from sglang_dart.cpu.ops import (
     verify_tree_greedy_cpu,
 )
 from sglang_dart.dart.trees import tree_links
+from tests.support.tree_masks import ancestor_mask
 
 # ---------------------------------------------------------------------------------------------------------
 # req_to_token ranges
@@ -228,17 +229,6 @@ def _random_parents(rng: random.Random, d: int, shape: str = "random") -> list[i
     return [-1] + [rng.randrange(i) for i in range(1, d)]
 
 
-def _ancestor_mask(parents: list[int]) -> torch.Tensor:
-    d = len(parents)
-    mask = torch.zeros((d, d), dtype=torch.bool)
-    for i in range(d):
-        node = i
-        while node != -1:
-            mask[i, node] = True
-            node = parents[node]
-    return mask
-
-
 def _depth(parents: list[int], i: int) -> int:
     depth = 0
     while parents[i] != -1:
@@ -253,7 +243,7 @@ def _children(parents: list[int], i: int) -> list[int]:
 
 def _reconstruct(all_parents: list[list[int]], seq_lens: list[int]):
     bs, d = len(all_parents), len(all_parents[0])
-    tree_mask = torch.cat([_ancestor_mask(p).reshape(-1) for p in all_parents])
+    tree_mask = torch.cat([ancestor_mask(p).reshape(-1) for p in all_parents])
     positions = torch.full((bs * d,), -99, dtype=torch.int64)
     retrive_index = torch.full((bs, d), -99, dtype=torch.int64)
     retrive_next_token = torch.full((bs, d), -99, dtype=torch.int64)

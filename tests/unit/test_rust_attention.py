@@ -14,7 +14,8 @@ import torch
 from sglang_dart import _core
 from sglang_dart.attention.tree_attention import attend, make_plan
 from sglang_dart.cpu import rust_attention
-from tests.unit.test_tree_attention import Case, assert_matches, random_tree_mask
+from tests.support.tree_masks import random_tree_mask
+from tests.unit.test_tree_attention import Case, assert_matches
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

@@ -11,6 +11,7 @@ import torch
 
 from sglang_dart.attention import tree_attention
 from sglang_dart.attention.tree_attention import attend, make_plan
+from tests.support.tree_masks import random_tree_mask
 
 ATOL = RTOL = 1e-5
 MAX_REQS = 8
@@ -129,18 +130,6 @@ class Case:
                 out[start : start + n, h] = torch.softmax(scores, dim=-1) @ values[:, kv]
             start += n
         return out
-
-
-def random_tree_mask(rng, n):
-    """[n, n] ancestor mask of a random tree: node 0 is the root, parents precede children."""
-    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
-    mask = torch.zeros((n, n), dtype=torch.bool)
-    for i in range(n):
-        node = i
-        while node != -1:
-            mask[i, node] = True
-            node = parents[node]
-    return mask
 
 
 def assert_matches(out, expected, atol=ATOL, rtol=RTOL):

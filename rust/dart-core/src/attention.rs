@@ -10,8 +10,9 @@
 //! A query's result depends only on its own row: its scores are one dot product per key, and the softmax
 //! and the weighted sum of values run over the keys in their column order, the keys it may not see adding
 //! exact zeros. The AVX-512 path shares loads between rows and keys (two query rows against eight keys,
-//! four rows against each value row) but keeps one accumulator per output, each summed in one fixed order. So a token attends bit-identically whether it is decoded alone or verified
-//! in a tree, wherever its ancestors sit among the tree's columns, and whatever else the batch holds.
+//! four rows against each value row) but keeps one accumulator per output, each summed in one fixed
+//! order. So a token attends bit-identically whether it is decoded alone or verified in a tree, wherever
+//! its ancestors sit among the tree's columns, and whatever else the batch holds.
 
 use std::sync::{Mutex, PoisonError};
 
