@@ -307,36 +307,45 @@ def _staggered_lossless_run(
 
 @pytest.fixture(scope="module")
 def schedule_servers(tiny_qwen3_dir, own_store_assets, server_logs) -> Iterator[dict[str, SglangServer]]:
-    """DART servers under three tree-size schedules (SGLANG_DART_TREE_SIZES): "1:8,4:1", "auto" and the
-    guarded CPU default (unset), logging every decode step; started side by side at the first one's use."""
+    """DART servers under three tree-size schedules (SGLANG_DART_TREE_SIZES): "1:16,4:1" (trees of up to
+    16, `--speculative-num-draft-tokens 16`), "auto" and the guarded CPU default (unset), logging every
+    decode step; started side by side at the first one's use."""
     args = [*own_store_assets[2], "--decode-log-interval", "1"]
     schedules = {
-        "1:8,4:1": ("1:8,4:1", "qwen3-tree-sizes"),
-        "auto": ("auto", "qwen3-tree-sizes-auto"),
-        "guarded default": (None, "qwen3-tree-sizes-guarded-default"),
+        "1:16,4:1": ("1:16,4:1", _with_draft_tokens(args, 16), "qwen3-tree-sizes"),
+        "auto": ("auto", args, "qwen3-tree-sizes-auto"),
+        "guarded default": (None, args, "qwen3-tree-sizes-guarded-default"),
     }
     servers = {
-        name: SglangServer(tiny_qwen3_dir, args, server_logs / f"{log}.log", env={TREE_SIZES_ENV: value})
-        for name, (value, log) in schedules.items()
+        name: SglangServer(tiny_qwen3_dir, argv, server_logs / f"{log}.log", env={TREE_SIZES_ENV: value})
+        for name, (value, argv, log) in schedules.items()
     }
     with serving(servers):
         yield servers
 
 
+def _with_draft_tokens(args: list[str], tokens: int) -> list[str]:
+    """`args` with `--speculative-num-draft-tokens` set to `tokens`."""
+    at = args.index("--speculative-num-draft-tokens") + 1
+    return [*args[:at], str(tokens), *args[at + 1 :]]
+
+
 def test_tree_size_follows_the_batch_size(own_store_assets, schedule_servers):
-    """Schedule 1:8,4:1: steps with 4 or more running requests verify the roots alone (accept length
-    exactly 1 in the per-step log line), smaller batches draft trees again (accept length > 1). Requests of
-    staggered lengths take the batch from 12 down to 1, through both switches, and stay lossless."""
+    """Schedule 1:16,4:1: steps with 4 or more running requests verify the roots alone (accept length
+    exactly 1 in the per-step log line), smaller batches draft trees of 16 again (accept length > 1).
+    Requests of staggered lengths take the batch from 12 down to 1, through both switches, and stay
+    lossless. Trees of 16 are the batch-1 default on AMX CPUs and GPUs; on the CPU engine their verify
+    attention (16 queries a request, two 16-row tasks per KV head here) runs in the Rust kernel."""
     prompts, outputs, _ = own_store_assets
-    results, log = _staggered_lossless_run(schedule_servers["1:8,4:1"], prompts, outputs)
+    results, log = _staggered_lossless_run(schedule_servers["1:16,4:1"], prompts, outputs)
     steps = [(int(bs), float(tau)) for bs, tau in _DECODE_LINE.findall(log)]
     big = [tau for bs, tau in steps if bs >= 6]  # margin: the logged count may trail the batch that ran
     small = [tau for bs, tau in steps if bs <= 2]
     assert big and all(tau == 1.0 for tau in big), steps
     assert small and max(small) > 1.0, steps
-    _check_drafted_counts(results, {1, 8})
+    _check_drafted_counts(results, {1, 16})
     longest = results[-1]["meta_info"]["spec_cap_lens_histogram"]
-    assert longest[1] > 0 and longest[8] > 0, longest  # both kinds of step, so SGLang's N - 1 would be off
+    assert longest[1] > 0 and longest[16] > 0, longest  # both kinds of step, so SGLang's N - 1 would be off
 
 
 @pytest.mark.parametrize("sizes", ["auto", "guarded default"])
