@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dart.server_process import SglangServer, serving
+from sglang_dart.server_process import SglangServer, free_port, serving
 from tests.support.tiny_models import build_tiny_model
 
 # The servers must start with nothing set by hand: the package alone switches SGLang to its CPU engine.
@@ -99,3 +99,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "integration" in item.path.parts and item.get_closest_marker("standalone") is None:
             item.add_marker(servers)
+
+
+@pytest.fixture(scope="module")
+def sglang_single_process(tiny_llama_dir: Path) -> Iterator[None]:
+    """What a scheduler process sets up before it builds a model: its server arguments published and a
+    (one-process, gloo) tensor-parallel group, which SGLang's parallel linear layers consult."""
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.server_args import ServerArgs
+
+    if parallel_state.model_parallel_is_initialized():
+        pytest.skip("this process already has a model-parallel group")
+    with get_context().preserve_config():
+        get_context().set_server_args(
+            ServerArgs(model_path=str(tiny_llama_dir), device="cpu", dtype="float32")
+        )
+        parallel_state.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            backend="gloo",
+        )
+        parallel_state.initialize_model_parallel(1, backend="gloo")
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()

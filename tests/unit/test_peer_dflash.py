@@ -5,7 +5,6 @@ independent plain-torch DFLASH drafter written here computes (and the trainer's 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -119,37 +118,6 @@ class _BlockAttention:
             q, keys, values, scale=layer.scaling, enable_gqa=q.shape[0] != keys.shape[0]
         )
         return out.transpose(0, 1).reshape(q.shape[1], -1)
-
-
-@pytest.fixture(scope="module")
-def sglang_single_process(tiny_llama_dir: Path) -> Iterator[None]:
-    """What a scheduler process sets up before it builds a model: its server arguments published and a
-    (one-process, gloo) tensor-parallel group, which SGLang's parallel linear layers consult."""
-    from sglang.srt.distributed import parallel_state
-    from sglang.srt.runtime_context import get_context
-    from sglang.srt.server_args import ServerArgs
-
-    from sglang_dart.server_process import free_port
-
-    if parallel_state.model_parallel_is_initialized():
-        pytest.skip("this process already has a model-parallel group")
-    with get_context().preserve_config():
-        get_context().set_server_args(
-            ServerArgs(model_path=str(tiny_llama_dir), device="cpu", dtype="float32")
-        )
-        parallel_state.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-            backend="gloo",
-        )
-        parallel_state.initialize_model_parallel(1, backend="gloo")
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
 
 
 def sglang_logits(ckpt: Path, embed, lm_head, taps, tokens, start) -> torch.Tensor:  # noqa: ANN001
