@@ -1,4 +1,5 @@
-"""Session fixtures: test models built on the fly or converted from a PyPI wheel, and real SGLang servers."""
+"""Shared fixtures: test models built on the fly or converted from a PyPI wheel, real SGLang servers, and
+the one-process set-up SGLang's model code needs when a test builds a model in process."""
 
 from __future__ import annotations
 
