@@ -9,7 +9,8 @@ README for the variables). Every server gets `SGLANG_DART_TREE_SIZES=1:8` unless
 so the tree size does not shrink with the batch.
 
 `--prompts` names the held-out prompt sets, comma-separated (`benchmarks/bench_prompts.py`: `varied`, the
-default, and `code`); each setting's server answers every named set, and the table gives τ per set.
+default, `code`, `unfamiliar`, `long`); each setting's server answers every named set, and the table gives τ
+per set.
 
 Greedy decoding is deterministic, so τ (emitted tokens / verify steps, summed over a set's held-out
 prompts) does not depend on the machine's load the way tokens per second do: settings can

@@ -5,14 +5,19 @@
 training pool). `varied`: what a chat server sees: code to write and code to complete, explanations, general
 chat, multi-turn conversations, and prompts from a few words to a paragraph. `unfamiliar`: other languages,
 copied random data, long numbers, made-up tables (a stress test of the speed-up away from the drafter's
-training pool). A conversation is a list of messages, the last one the user's; a plain string is one user
-message.
+training pool). `long`: a question about pasted material (a log, a CSV table, a module, a transcript) of
+700-2,400 tokens (`long_prompts.py`), where a tree's attention costs most. A conversation is a list of
+messages, the last one the user's; a plain string is one user message.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # long_prompts, when imported from elsewhere
+from long_prompts import LONG  # noqa: E402
 
 Conversation = str | list[dict[str, str]]
 
@@ -125,7 +130,7 @@ WARMUP: list[Conversation] = [
     "Describe the water cycle briefly.",
 ]
 
-SETS: dict[str, list[Conversation]] = {"code": CODE, "varied": VARIED, "unfamiliar": UNFAMILIAR}
+SETS: dict[str, list[Conversation]] = {"code": CODE, "varied": VARIED, "unfamiliar": UNFAMILIAR, "long": LONG}
 
 
 def messages(conversation: Conversation) -> list[dict[str, str]]:

@@ -259,8 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         "--prompts",
         choices=sorted(SETS),
         default="varied",
-        help="the measured prompt set (benchmarks/bench_prompts.py): varied chat, code, explanations, "
-        "multi-turn and long prompts, or the 16 short code prompts of runs 1-29",
+        help="the measured prompt set (benchmarks/bench_prompts.py): varied (chat, code, explanations, "
+        "multi-turn), code (the 16 short code prompts of runs 1-29), unfamiliar (other languages, copied "
+        "data) or long (questions about 700-2,400 tokens of pasted material)",
     )
     parser.add_argument(
         "--requests",
