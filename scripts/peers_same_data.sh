@@ -10,8 +10,9 @@
 # (default "dart eagle3"; add dflash), DTYPE (the target's dtype for the features and the serving; default
 # bfloat16 on a GPU, on a CPU the one it multiplies fastest: bf16 with AMX or AVX512-BF16, else float32,
 # where a bf16 feature pass crawls), BATCH_SIZES (default "1"), REPEATS
-# (default 3), EAGLE3_SETTINGS (default "3,4,8"), DEVICE (where the features and training run: cpu, the
-# default, or cuda), SERVE (0: train only, no store and no serving; for a GPU host, whose drafters are
+# (default 3), EAGLE3_SETTINGS (default "3,4,8 2,4,6", one server each: the best EAGLE3 settings tried
+# on an AMX Xeon and on an AVX512-BF16 EPYC, peers runs 3 and 26), DEVICE (where the features and
+# training run: cpu, the default, or cuda), SERVE (0: train only, no store and no serving; for a GPU host, whose drafters are
 # served back here), DATA (a jsonl of answers instead of every committed one), PY and TARGET (the Python
 # and the target's directory; default: the set-up's .venv and the SmolLM2 it installs), TRAIN_ARGS (more
 # trainer options for every format, e.g. "--sequences-per-step 16" on a GPU). A step whose output
@@ -22,7 +23,7 @@ MINUTES=${MINUTES:-30}
 FORMATS=${FORMATS:-dart eagle3}
 BATCH_SIZES=${BATCH_SIZES:-1}
 REPEATS=${REPEATS:-3}
-EAGLE3_SETTINGS=${EAGLE3_SETTINGS:-3,4,8}
+EAGLE3_SETTINGS=${EAGLE3_SETTINGS:-3,4,8 2,4,6}
 DEVICE=${DEVICE:-cpu}
 SERVE=${SERVE:-1}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
