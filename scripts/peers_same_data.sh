@@ -13,10 +13,10 @@
 # (default 3), EAGLE3_SETTINGS (default "3,4,8 2,4,6", one server each: the best EAGLE3 settings tried
 # on an AMX Xeon and on an AVX512-BF16 EPYC, peers runs 3 and 26), DEVICE (where the features and
 # training run: cpu, the default, or cuda), SERVE (0: train only, no store and no serving; for a GPU
-# host, whose drafters are served back here), DATA (a jsonl of answers instead of every committed one), PY and TARGET (the Python
-# and the target's directory; default: the set-up's .venv and the SmolLM2 it installs), TRAIN_ARGS (more
-# trainer options for every format, e.g. "--sequences-per-step 16" on a GPU). A step whose output
-# exists is skipped, so an interrupted run goes on where it stopped.
+# host, whose drafters are served back here), DATA (a jsonl of answers instead of every committed one),
+# PY and TARGET (the Python and the target's directory; default: the set-up's .venv and the SmolLM2 it
+# installs), TRAIN_ARGS (more trainer options for every format, e.g. "--sequences-per-step 16" on a GPU).
+# A step whose output exists is skipped, so an interrupted run goes on where it stopped.
 set -euo pipefail
 OUT=${1:?usage: scripts/peers_same_data.sh OUT_DIR}
 MINUTES=${MINUTES:-30}
