@@ -113,6 +113,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--row-decay", type=float, default=0.8, help="loss weight gamma^row")
     p.add_argument(
+        "--row-decay-final",
+        type=float,
+        default=None,
+        help="gamma at the end of the run: gamma moves linearly from --row-decay to it over the step or "
+        "time budget (default: fixed)",
+    )
+    p.add_argument(
         "--soft-weight",
         type=float,
         default=0.0,
@@ -204,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"training with bf16 autocast {'on' if args.bf16 else 'off'} (--bf16 / --no-bf16)")
     if not 0.0 <= args.soft_weight <= 1.0:
         raise SystemExit(f"--soft-weight is a share of the loss, between 0 and 1, not {args.soft_weight}")
+    for name, gamma in (("--row-decay", args.row_decay), ("--row-decay-final", args.row_decay_final)):
+        if gamma is not None and not gamma > 0:
+            raise SystemExit(
+                f"{name} is the loss weight's ratio from one row to the next, above 0, not {gamma}"
+            )
     if args.feature_noise < 0:
         raise SystemExit(f"--feature-noise is a standard deviation, not {args.feature_noise}")
     if args.anchors is not None and args.anchors < 1:

@@ -125,10 +125,12 @@ def train(
 
     device = model.fc.weight.device
 
-    def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+    def sequence_step(
+        feats: SequenceFeatures, rng: random.Random, row_decay: float
+    ) -> tuple[torch.Tensor, RowStats]:
         length = feats.input_ids.shape[0]
         anchors = sample_anchors(length, settings.anchors_per_sequence, rng, feats.first_anchor())
-        result = block_loss(model, target, feats.to(device), anchors, block, mask_id, settings.row_decay)
+        result = block_loss(model, target, feats.to(device), anchors, block, mask_id, row_decay)
         return result.loss, result.stats
 
     # A CPU step of the full-vocabulary head can take seconds: a run must show its loss and ETA long

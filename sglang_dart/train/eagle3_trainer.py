@@ -114,10 +114,12 @@ def train(
 
     device = model.fc.weight.device
 
-    def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+    def sequence_step(
+        feats: SequenceFeatures, rng: random.Random, row_decay: float
+    ) -> tuple[torch.Tensor, RowStats]:
         first = rng.randrange(max(1, feats.input_ids.shape[0] - 1 - window + 1))
         win = padded_window(window_of(feats, vocab, first, window)).to(device)
-        return window_loss(model, win, ttt_steps, settings.row_decay)
+        return window_loss(model, win, ttt_steps, row_decay)
 
     return fit(model, usable, settings, sequence_step, log, unit="step")
 

@@ -27,6 +27,7 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> TrainSetti
         "max_steps": args.max_steps,
         "max_seconds": args.max_minutes * 60 if args.max_minutes else float("inf"),
         "row_decay": args.row_decay,
+        "row_decay_final": args.row_decay_final,
         "soft_weight": args.soft_weight,
         "feature_noise": args.feature_noise,
         "greedy_chains_only": args.greedy_chains_only,

@@ -32,6 +32,7 @@ class TrainSettings:
     max_steps: int = 2000
     max_seconds: float = math.inf
     row_decay: float = 0.8  # gamma
+    row_decay_final: float | None = None  # gamma at the end of the run, moved to linearly (None: fixed)
     soft_weight: float = 0.0  # share of the loss against the target's distribution (0: its argmax only)
     feature_noise: float = 0.0  # noise std on each tap, relative to its mean |value| (0: none)
     greedy_chains_only: bool = False  # supervise only where the data follows the target's greedy chain
@@ -344,17 +345,30 @@ def lr_factor(settings: TrainSettings, step: int, elapsed: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-class SequenceStep(Protocol):
-    """One sequence's loss and its top-1 stats per row (or unrolled step, or block position)."""
+def row_decay_at(settings: TrainSettings, step: int, elapsed: float) -> float:
+    """The step's γ: `row_decay` throughout, or moved linearly to `row_decay_final` over whichever budget
+    (steps or time) runs out first, so that a run can learn the near rows first and the far ones later."""
+    if settings.row_decay_final is None:
+        return settings.row_decay
+    progress = max(step / max(1, settings.max_steps), elapsed / settings.max_seconds)
+    progress = min(1.0, progress)
+    return settings.row_decay + (settings.row_decay_final - settings.row_decay) * progress
 
-    def __call__(self, feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]: ...
+
+class SequenceStep(Protocol):
+    """One sequence's loss (each row, step or block position weighted by `row_decay` to its index's power)
+    and its top-1 stats per row (or unrolled step, or block position)."""
+
+    def __call__(
+        self, feats: SequenceFeatures, rng: random.Random, row_decay: float
+    ) -> tuple[torch.Tensor, RowStats]: ...
 
 
 class BatchStep(Protocol):
     """A step's sequences' losses and top-1 stats, in order, from forwards that may share their work."""
 
     def __call__(
-        self, batch: list[SequenceFeatures], rng: random.Random
+        self, batch: list[SequenceFeatures], rng: random.Random, row_decay: float
     ) -> list[tuple[torch.Tensor, RowStats]]: ...
 
 
@@ -366,6 +380,7 @@ def _step_backward(
     rng: random.Random,
     window: RowStats,
     batch_step: BatchStep | None = None,
+    row_decay: float | None = None,
 ) -> float:
     """One optimizer step's forwards (`batch_step`'s, or `sequence_step`'s one sequence at a time) and ONE
     backward of their mean loss; returns that mean. All forwards
@@ -373,13 +388,14 @@ def _step_backward(
     gradient is cast back and added to `.grad` once (a DART step on CPU 4-5% cheaper: the 8,192-row head
     alone is read and written twice a cast). The graphs of the step's sequences are alive together until
     the backward. Losses are summed in float32: a sequence with nothing to learn returns a zero of the
-    autocast dtype."""
+    autocast dtype. `row_decay` is the step's γ (None: the settings' fixed one)."""
+    gamma = settings.row_decay if row_decay is None else row_decay
     losses = []
     with bf16_autocast(settings.bf16_autocast, device):
         if batch_step is not None:
-            results = batch_step(batch, rng)
+            results = batch_step(batch, rng, gamma)
         else:
-            results = [sequence_step(feats, rng) for feats in batch]
+            results = [sequence_step(feats, rng, gamma) for feats in batch]
         for loss, stats in results:
             losses.append(loss)
             for row, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
@@ -438,7 +454,8 @@ def fit(
                     order = list(range(len(usable)))
                     rng.shuffle(order)
                 batch.append(usable[order.pop()])
-            step_loss = _step_backward(batch, settings, device, sequence_step, rng, window, batch_step)
+            gamma = row_decay_at(settings, step, elapsed)
+            step_loss = _step_backward(batch, settings, device, sequence_step, rng, window, batch_step, gamma)
             nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
             losses.append(step_loss)
@@ -498,23 +515,27 @@ def dart_steps(
             feats = replace(feats, taps=taps)
         return feats, anchors
 
-    def sequence_step(feats: SequenceFeatures, rng: random.Random) -> tuple[torch.Tensor, RowStats]:
+    def sequence_step(
+        feats: SequenceFeatures, rng: random.Random, row_decay: float
+    ) -> tuple[torch.Tensor, RowStats]:
         feats, anchors = prepared(feats, rng)
         result = sequence_loss(
             model,
             feats,
             on_device,
             anchors,
-            settings.row_decay,
+            row_decay,
             settings.soft_weight,
             settings.greedy_chains_only,
         )
         return result.loss, result.stats
 
-    def batch_step(batch: list[SequenceFeatures], rng: random.Random) -> list[tuple[torch.Tensor, RowStats]]:
+    def batch_step(
+        batch: list[SequenceFeatures], rng: random.Random, row_decay: float
+    ) -> list[tuple[torch.Tensor, RowStats]]:
         ready = [prepared(feats, rng) for feats in batch]  # the rng draws in the one-at-a-time order
         results = packed_sequence_losses(
-            model, ready, on_device, settings.row_decay, settings.soft_weight, settings.greedy_chains_only
+            model, ready, on_device, row_decay, settings.soft_weight, settings.greedy_chains_only
         )
         tallies = torch.stack([result.tally for result in results]).tolist()  # the step's one host read
         return [(r.loss, RowStats.of_tally(t)) for r, t in zip(results, tallies, strict=True)]

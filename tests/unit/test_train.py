@@ -20,8 +20,10 @@ from sglang_dart.train.trainer import (
     RowStats,
     TrainSettings,
     _step_backward,
+    fit,
     noised_taps,
     progress_line,
+    row_decay_at,
     sample_anchors,
     sequence_loss,
     soft_cross_entropy,
@@ -245,14 +247,15 @@ def test_one_backward_per_step_gives_the_per_sequence_gradients(bf16):
     settings = TrainSettings(anchors_per_sequence=5, sequences_per_step=3, bf16_autocast=bf16)
     anchor_sets = [sample_anchors(19, 5, random.Random(i)) for i in range(3)]
 
-    def sequence_step(feats, rng):
-        result = sequence_loss(model, feats, vocab, anchor_sets[[id(f) for f in batch].index(id(feats))], 0.8)
+    def sequence_step(feats, rng, row_decay):
+        anchors = anchor_sets[[id(f) for f in batch].index(id(feats))]
+        result = sequence_loss(model, feats, vocab, anchors, row_decay)
         return result.loss, result.stats
 
     expected_loss, expected_stats = 0.0, RowStats()
     for feats in batch:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, stats = sequence_step(feats, None)
+            loss, stats = sequence_step(feats, None, 0.8)
         (loss / 3).backward()
         expected_loss += loss.item() / 3
         for row, (c, t) in enumerate(zip(stats.correct, stats.total, strict=True)):
@@ -671,12 +674,47 @@ def test_feature_noise_scales_with_each_tap_and_training_still_learns():
     assert after.stats.accuracy()[0] > 0.9
 
 
+def test_row_decay_moves_linearly_over_whichever_budget_runs_out_first():
+    fixed = TrainSettings(row_decay=0.5, max_steps=100)
+    assert row_decay_at(fixed, 0, 0.0) == row_decay_at(fixed, 99, 1e9) == 0.5
+    by_steps = TrainSettings(row_decay=0.4, row_decay_final=1.0, max_steps=100)
+    assert [row_decay_at(by_steps, s, 0.0) for s in (0, 50, 100)] == pytest.approx([0.4, 0.7, 1.0])
+    by_time = TrainSettings(row_decay=1.0, row_decay_final=0.5, max_steps=10_000, max_seconds=60.0)
+    assert row_decay_at(by_time, 10, 15.0) == pytest.approx(0.875)  # a quarter of the time, 0.1% of the steps
+    assert row_decay_at(by_time, 10, 600.0) == pytest.approx(0.5)  # never past the final value
+
+
+def test_fit_hands_each_step_its_scheduled_row_decay():
+    """The loop gives every sequence of a step the step's γ, so an annealed run's loss changes weight as it
+    goes (a fixed γ reaches every step unchanged)."""
+    model, _, vocab = _drafter()
+    data = _copy_task(count=4, length=12, seed=5)
+    seen: dict[str, list[float]] = {}
+    for name, final in (("fixed", None), ("annealed", 1.0)):
+        settings = TrainSettings(
+            anchors_per_sequence=3, sequences_per_step=2, max_steps=5, warmup_steps=1, bf16_autocast=False,
+            log_every=0, row_decay=0.5, row_decay_final=final,
+        )  # fmt: skip
+        gammas = seen.setdefault(name, [])
+
+        def step(feats, rng, row_decay, gammas=gammas):
+            gammas.append(row_decay)
+            result = sequence_loss(model, feats, vocab, torch.tensor([2, 5]), row_decay)
+            return result.loss, result.stats
+
+        fit(model, data, settings, step, log=lambda _: None)
+    assert seen["fixed"] == [0.5] * 10
+    assert seen["annealed"] == pytest.approx([g for g in (0.5, 0.6, 0.7, 0.8, 0.9) for _ in range(2)])
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         (["--soft-weight", "1.5"], "between 0 and 1"),
         (["--format", "eagle3", "--soft-weight", "0.5"], "DART's loss only"),
         (["--feature-noise", "-0.1"], "standard deviation"),
+        (["--row-decay", "0"], "above 0"),
+        (["--row-decay-final", "-0.5"], "above 0"),
         (["--anchors", "0"], "at least 1"),
         (["--feature-batch-tokens", "-1"], "count of padded tokens"),
         (["--format", "dflash", "--feature-noise", "0.1"], "DART's training only"),
