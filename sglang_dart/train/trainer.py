@@ -335,14 +335,20 @@ def sample_anchors(num_real: int, count: int, rng: random.Random, first: int = 0
     return torch.tensor(sorted(rng.sample(range(first, num_real), count)), dtype=torch.long)
 
 
+def budget_spent(settings: TrainSettings, step: int, elapsed: float, from_step: int = 0) -> float:
+    """The share of the run done, 0 to 1, by whichever budget (steps counted from `from_step`, or time)
+    runs out first: what the learning-rate and row-decay schedules move along."""
+    by_steps = (step - from_step) / max(1, settings.max_steps - from_step)
+    return min(1.0, max(by_steps, elapsed / settings.max_seconds))
+
+
 def lr_factor(settings: TrainSettings, step: int, elapsed: float) -> float:
     """Linear warm-up, then cosine decay to 10% over whichever budget (steps or time) runs out first (every
     format's trainer uses this schedule)."""
     if step < settings.warmup_steps:
         return (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(1, settings.max_steps - settings.warmup_steps)
-    progress = max(progress, elapsed / settings.max_seconds)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    progress = budget_spent(settings, step, elapsed, settings.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def row_decay_at(settings: TrainSettings, step: int, elapsed: float) -> float:
@@ -350,8 +356,7 @@ def row_decay_at(settings: TrainSettings, step: int, elapsed: float) -> float:
     (steps or time) runs out first, so that a run can learn the near rows first and the far ones later."""
     if settings.row_decay_final is None:
         return settings.row_decay
-    progress = max(step / max(1, settings.max_steps), elapsed / settings.max_seconds)
-    progress = min(1.0, progress)
+    progress = budget_spent(settings, step, elapsed)
     return settings.row_decay + (settings.row_decay_final - settings.row_decay) * progress
 
 
