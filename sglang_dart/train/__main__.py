@@ -111,7 +111,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sequences-per-step", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--row-decay", type=float, default=0.8, help="loss weight gamma^row")
+    p.add_argument(
+        "--row-decay",
+        type=float,
+        default=None,
+        help="loss weight gamma^row (default: dart 0.5, eagle3 and dflash 0.8)",
+    )
     p.add_argument(
         "--row-decay-final",
         type=float,
@@ -209,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.bf16 is None:  # a GPU multiplies bf16 natively; a CPU only with AMX or AVX512-BF16
         args.bf16 = device.type == "cuda" or bf16_autocast_pays()
     print(f"training with bf16 autocast {'on' if args.bf16 else 'off'} (--bf16 / --no-bf16)")
+    args.row_decay = run_summary.row_decay_of(args)  # resolved here so that the report names it
     if not 0.0 <= args.soft_weight <= 1.0:
         raise SystemExit(f"--soft-weight is a share of the loss, between 0 and 1, not {args.soft_weight}")
     for name, gamma in (("--row-decay", args.row_decay), ("--row-decay-final", args.row_decay_final)):

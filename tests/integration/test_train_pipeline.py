@@ -72,6 +72,7 @@ def test_generate_train_serve(tiny_qwen3_dir, tmp_path, server_logs):
     assert config["draft_length"] == 3 and config["draft_vocab_size"] == 256
     report = json.loads((draft / "train_report.json").read_text())
     assert report["steps"] == 400 and report["held_out_sequences"] == 4 and report["train_sequences"] == 92
+    assert report["args"]["row_decay"] == "0.5"  # DART's default γ, resolved before the report names it
     held_out = report["held_out"]  # the sequences kept out of training: the drafter learned the target
     assert 1.3 < held_out["tau_chain"] <= held_out["tau_topk_bound"] <= 3 + 1, held_out
 

@@ -72,6 +72,7 @@ def test_training_reports_progress_and_a_held_out_estimate(
     assert "estimated tau" in out
     report = json.loads((tmp_path / "d" / "train_report.json").read_text())
     assert report["format"] == "eagle3" and report["steps"] == 4 and report["held_out"]["tau_chain"] >= 1.0
+    assert report["args"]["row_decay"] == "0.8"  # EAGLE3 keeps its own default γ
 
 
 def test_checkpoint_layout(eagle3_ckpt: Path, tiny_llama_dir: Path):

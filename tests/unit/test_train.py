@@ -759,6 +759,24 @@ def test_anchor_blocks_default_by_format(options, anchors):
     assert run_summary.settings_from_args(args).anchors_per_sequence == anchors
 
 
+@pytest.mark.parametrize(
+    ("options", "gamma"),
+    [
+        ([], 0.5),
+        (["--format", "eagle3"], 0.8),
+        (["--format", "dflash"], 0.8),
+        (["--row-decay", "0.65"], 0.65),
+        (["--format", "eagle3", "--row-decay", "0.5"], 0.5),
+    ],
+)
+def test_row_decay_default_by_format(options, gamma):
+    from sglang_dart.train import run_summary
+    from sglang_dart.train.__main__ import make_parser
+
+    args = make_parser().parse_args(["--target", "T", "--data", "D", "--out", "O", *options])
+    assert run_summary.settings_from_args(args).row_decay == gamma
+
+
 def test_bf16_autocast_is_on_by_default_only_where_the_cpu_multiplies_bf16(monkeypatch):
     from sglang_dart.dart import settings
     from sglang_dart.train.__main__ import make_parser
