@@ -743,38 +743,23 @@ def test_a_bad_training_option_is_refused_before_any_work(tmp_path, options, mes
 
 
 @pytest.mark.parametrize(
-    ("options", "anchors"),
+    ("options", "anchors", "gamma"),
     [
-        ([], 32),
-        (["--format", "dflash"], 64),
-        (["--anchors", "48"], 48),
-        (["--format", "dflash", "--anchors", "8"], 8),
+        ([], 32, 0.5),
+        (["--format", "dflash"], 64, 0.8),
+        (["--format", "eagle3"], 64, 0.8),  # anchors unused: EAGLE3 trains on whole windows
+        (["--anchors", "48", "--row-decay", "0.65"], 48, 0.65),
+        (["--format", "dflash", "--anchors", "8"], 8, 0.8),
+        (["--format", "eagle3", "--row-decay", "0.5"], 64, 0.5),
     ],
 )
-def test_anchor_blocks_default_by_format(options, anchors):
+def test_anchor_blocks_and_row_decay_default_by_format(options, anchors, gamma):
     from sglang_dart.train import run_summary
     from sglang_dart.train.__main__ import make_parser
 
     args = make_parser().parse_args(["--target", "T", "--data", "D", "--out", "O", *options])
-    assert run_summary.settings_from_args(args).anchors_per_sequence == anchors
-
-
-@pytest.mark.parametrize(
-    ("options", "gamma"),
-    [
-        ([], 0.5),
-        (["--format", "eagle3"], 0.8),
-        (["--format", "dflash"], 0.8),
-        (["--row-decay", "0.65"], 0.65),
-        (["--format", "eagle3", "--row-decay", "0.5"], 0.5),
-    ],
-)
-def test_row_decay_default_by_format(options, gamma):
-    from sglang_dart.train import run_summary
-    from sglang_dart.train.__main__ import make_parser
-
-    args = make_parser().parse_args(["--target", "T", "--data", "D", "--out", "O", *options])
-    assert run_summary.settings_from_args(args).row_decay == gamma
+    settings = run_summary.settings_from_args(args)
+    assert (settings.anchors_per_sequence, settings.row_decay) == (anchors, gamma)
 
 
 def test_bf16_autocast_is_on_by_default_only_where_the_cpu_multiplies_bf16(monkeypatch):
