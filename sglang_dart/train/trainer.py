@@ -31,7 +31,7 @@ class TrainSettings:
     warmup_steps: int = 50
     max_steps: int = 2000
     max_seconds: float = math.inf
-    row_decay: float = 0.8  # gamma
+    row_decay: float = 0.8  # gamma; the command line gives DART 0.5 (run_summary.DEFAULT_ROW_DECAY)
     row_decay_final: float | None = None  # gamma at the end of the run, moved to linearly (None: fixed)
     soft_weight: float = 0.0  # share of the loss against the target's distribution (0: its argmax only)
     feature_noise: float = 0.0  # noise std on each tap, relative to its mean |value| (0: none)
