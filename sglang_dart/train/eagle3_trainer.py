@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sglang_dart.train.eagle3_model import Eagle3Drafter
-from sglang_dart.train.estimate import AcceptEstimate, _leading_hits, estimated_sequences
+from sglang_dart.train.estimate import AcceptEstimate, AcceptTally, estimated_sequences
 from sglang_dart.train.features import SequenceFeatures
 from sglang_dart.train.trainer import RowStats, TrainSettings, bucketed, fit, pad_rows, top1_hits
 from sglang_dart.train.trainer import bf16_autocast as autocast_on
@@ -141,10 +141,7 @@ def estimate_acceptance(
     was_training = model.training
     model.eval()
     device = model.fc.weight.device
-    correct = torch.zeros(ttt_steps)
-    anchors = 0
-    chain_total = bound_total = 0.0
-    sequences = 0
+    tally = AcceptTally(ttt_steps, k)
     data, skipped, own_text = estimated_sequences(data)
     try:
         for feats in data:
@@ -160,25 +157,7 @@ def estimate_acceptance(
             # step j's logits start at row first_origin + j, so anchor a's guess is row a - first_origin
             rows = torch.stack([logits[j][:count].float() for j in range(ttt_steps)], dim=1)  # [A, steps, Vd]
             labels = torch.stack([win.labels[a + j] for j in range(ttt_steps)], dim=1)
-            top1 = (rows.argmax(-1) == labels) & (labels >= 0)
-            in_topk = (rows.topk(min(k, rows.shape[-1]), dim=-1).indices == labels.unsqueeze(-1)).any(-1)
-            in_topk &= labels >= 0
-            correct += top1.float().sum(0).cpu()
-            anchors += count
-            chain_total += float((1 + _leading_hits(top1)).sum())
-            bound_total += float((1 + _leading_hits(in_topk)).sum())
-            sequences += 1
+            tally.add(rows, labels)
     finally:
         model.train(was_training)
-    if not anchors:
-        return None
-    return AcceptEstimate(
-        sequences=sequences,
-        anchors=anchors,
-        top1_by_row=(correct / anchors).tolist(),
-        tau_chain=chain_total / anchors,
-        tau_topk_bound=bound_total / anchors,
-        k=k,
-        not_target_written=skipped,
-        target_text_only=own_text,
-    )
+    return tally.estimate(skipped, own_text)

@@ -97,6 +97,45 @@ def _leading_hits(hits: torch.Tensor) -> torch.Tensor:
     return hits.int().cumprod(dim=1).sum(dim=1)
 
 
+class AcceptTally:
+    """Sums what a drafter's guesses would accept, one held-out sequence at a time, for the DART and EAGLE3
+    estimates alike: row j of an anchor is the guess at j positions past it."""
+
+    def __init__(self, rows: int, k: int) -> None:
+        self.k = k
+        self.correct = torch.zeros(rows)
+        self.anchors = 0
+        self.sequences = 0
+        self.chain_total = 0.0
+        self.bound_total = 0.0
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """logits [A, rows, V], labels [A, rows] (negative: no label, a miss) of one sequence's anchors."""
+        top1 = (logits.argmax(dim=-1) == labels) & (labels >= 0)
+        best = logits.topk(min(self.k, logits.shape[-1]), dim=-1).indices
+        in_topk = (best == labels.unsqueeze(-1)).any(dim=-1) & (labels >= 0)
+        self.correct += top1.float().sum(dim=0).cpu()
+        self.anchors += labels.shape[0]
+        self.chain_total += float((1 + _leading_hits(top1)).sum())
+        self.bound_total += float((1 + _leading_hits(in_topk)).sum())
+        self.sequences += 1
+
+    def estimate(self, skipped: int, target_text_only: bool) -> AcceptEstimate | None:
+        """None when no anchor was added."""
+        if not self.anchors:
+            return None
+        return AcceptEstimate(
+            sequences=self.sequences,
+            anchors=self.anchors,
+            top1_by_row=(self.correct / self.anchors).tolist(),
+            tau_chain=self.chain_total / self.anchors,
+            tau_topk_bound=self.bound_total / self.anchors,
+            k=self.k,
+            not_target_written=skipped,
+            target_text_only=target_text_only,
+        )
+
+
 @torch.no_grad()
 def estimate_acceptance(
     model: DartDrafter,
@@ -114,9 +153,7 @@ def estimate_acceptance(
     d = model.cfg.draft_length
     device = model.fc.weight.device
     vocab = vocab.to(device)
-    correct = torch.zeros(d + 1)
-    counted = 0
-    chain_total, bound_total, sequences = 0.0, 0.0, 0
+    tally = AcceptTally(d + 1, k)
     data, skipped, own_text = estimated_sequences(data)
     try:
         for feats in data:
@@ -134,26 +171,7 @@ def estimate_acceptance(
             rows = torch.cat([out.real.unsqueeze(1), out.masks], dim=1).float()  # [A, d + 1, Vd]
             rows_ahead = torch.arange(d + 1, device=device)
             label_index = anchors.unsqueeze(1) + 1 + rows_ahead  # row j: the token at p + 1 + j
-            labels = vocab.to_draft(feats.labels[label_index])  # -100: outside the draft vocabulary
-            top1 = (rows.argmax(dim=-1) == labels) & (labels >= 0)
-            in_topk = (rows.topk(min(k, rows.shape[-1]), dim=-1).indices == labels.unsqueeze(-1)).any(-1)
-            in_topk &= labels >= 0
-            correct += top1.float().sum(dim=0).cpu()
-            counted += anchors.shape[0]
-            chain_total += float((1 + _leading_hits(top1)).sum())
-            bound_total += float((1 + _leading_hits(in_topk)).sum())
-            sequences += 1
+            tally.add(rows, vocab.to_draft(feats.labels[label_index]))  # -100: outside the draft vocabulary
     finally:
         model.train(was_training)
-    if not counted:
-        return None
-    return AcceptEstimate(
-        sequences=sequences,
-        anchors=counted,
-        top1_by_row=(correct / counted).tolist(),
-        tau_chain=chain_total / counted,
-        tau_topk_bound=bound_total / counted,
-        k=k,
-        not_target_written=skipped,
-        target_text_only=own_text,
-    )
+    return tally.estimate(skipped, own_text)

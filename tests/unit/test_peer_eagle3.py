@@ -287,3 +287,37 @@ def test_a_training_window_computes_on_the_drafters_device():
     logits = model.ttt_logits(window.taps.float(), window.tokens, 3)
     assert [tuple(x.shape) for x in logits] == [(16, 40)] * 3
     assert all(x.device.type == "meta" for x in logits)
+
+
+def test_acceptance_estimate_of_a_trained_and_an_untrained_eagle3_drafter():
+    """The EAGLE3 estimate lines step j's guess up with the target's token j places on: a drafter trained on
+    the copy task chains most of its 3 steps on unseen sequences (tau near 4), an untrained one stops at
+    once (tau near 1)."""
+    from sglang_dart.train.eagle3_model import Eagle3Drafter, Eagle3Shape
+    from sglang_dart.train.eagle3_trainer import estimate_acceptance, train
+    from sglang_dart.train.trainer import TrainSettings
+    from sglang_dart.train.vocab import DraftVocab
+    from tests.unit.test_train import _copy_task
+
+    shape = Eagle3Shape(
+        hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
+        rope_theta=10000.0, vocab_size=50, draft_vocab_size=50,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Eagle3Drafter(shape, torch.randn(50, 32, generator=torch.Generator().manual_seed(0)))
+    vocab = DraftVocab.of(torch.arange(50), 50)
+    held_out = _copy_task(count=6, length=24, seed=3, sequence_seed=9)
+    untrained = estimate_acceptance(model, held_out, vocab, ttt_steps=3, k=4, bf16_autocast=False)
+    settings = TrainSettings(
+        sequences_per_step=2, max_steps=150, warmup_steps=10, learning_rate=3e-3, bf16_autocast=False,
+        log_every=0, progress_bar=False,
+    )  # fmt: skip
+    train(model, _copy_task(count=16, length=24, seed=3), vocab, settings, 3, 64, log=lambda _: None)
+    trained = estimate_acceptance(model, held_out, vocab, ttt_steps=3, k=4, bf16_autocast=False)
+    # 23 drafted positions a sequence; an anchor counts when all 3 steps' labels lie inside it
+    assert trained.sequences == 6 and trained.anchors == 6 * (23 - 3 + 1)
+    assert trained.tau_chain > 3.5 and min(trained.top1_by_row) > 0.7, trained
+    assert untrained.tau_chain < 1.5 < trained.tau_chain
+    for estimate in (trained, untrained):
+        assert 1.0 <= estimate.tau_chain <= estimate.tau_topk_bound <= 3 + 1
+    assert estimate_acceptance(model, _copy_task(count=2, length=3, seed=4), vocab, ttt_steps=3) is None

@@ -14,7 +14,7 @@ import torch
 from sglang_dart.drafter import load_drafter
 from sglang_dart.train.blocks import block_attention, block_attention_mask, block_logits
 from sglang_dart.train.checkpoint import draft_config_dict, new_drafter, save_drafter, with_grown_vocab
-from sglang_dart.train.estimate import _leading_hits, estimate_acceptance, split_holdout
+from sglang_dart.train.estimate import AcceptTally, _leading_hits, estimate_acceptance, split_holdout
 from sglang_dart.train.features import SequenceFeatures, sequence_features
 from sglang_dart.train.trainer import (
     RowStats,
@@ -608,6 +608,27 @@ def test_holdout_split_is_seeded_and_spares_tiny_data():
 def test_leading_hits_count_the_accepted_prefix():
     hits = torch.tensor([[True, True, False, True], [False, True, True, True], [True, True, True, True]])
     assert _leading_hits(hits).tolist() == [2, 0, 4]
+
+
+def test_accept_tally_counts_chains_bounds_and_unlabelled_rows():
+    """Two anchors of three rows over a vocabulary of 4: the chain stops at the first wrong top-1 guess, the
+    bound at the first label outside the k best, and a row without a label (-100) is a miss for both."""
+    tally = AcceptTally(rows=3, k=2)
+    assert tally.estimate(0, True) is None  # nothing added yet
+    logits = torch.tensor(
+        [
+            [[0.0, 3, 2, 1], [5.0, 0, 0, 4], [0.0, 0, 9, 0]],  # best two: {1, 2}, {0, 3}, {2, ...}
+            [[1.0, 0, 0, 0], [0.0, 2, 1, 0], [0.0, 0, 0, 1]],  # best: 0, then {1, 2}, then 3
+        ]
+    )
+    labels = torch.tensor([[1, 3, 2], [0, 1, -100]])
+    tally.add(logits, labels)
+    est = tally.estimate(skipped=2, target_text_only=True)
+    assert est is not None and (est.sequences, est.anchors, est.k) == (1, 2, 2)
+    assert est.top1_by_row == [1.0, 0.5, 0.5]  # row 1 of anchor 0 guesses 0, not 3; the -100 row misses
+    assert est.tau_chain == ((1 + 1) + (1 + 2)) / 2  # anchor 0 stops at row 1, anchor 1 at its unlabelled row
+    assert est.tau_topk_bound == ((1 + 3) + (1 + 2)) / 2  # 3 is among anchor 0's row-1 best two
+    assert est.not_target_written == 2
 
 
 def test_acceptance_estimate_of_a_trained_and_an_untrained_drafter():
