@@ -2,7 +2,7 @@
 several batch sizes, in one run (ratios are against the plain server measured in the same run).
 
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
-        [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 8]
+        [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 16]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
         [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...] [--requests 16] [--png FILE]
         [--eagle3 DIR [--eagle3-settings 4,1,5 ...]] [--dflash DIR [--dflash-block-sizes 8 ...]] [--skip-dart]
@@ -227,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         "s > 0: lengths spread over --new-tokens * [1 - s, 1 + s], as real answers are",
     )
     parser.add_argument("--num-draft-tokens", type=int, nargs="+", default=[16], help="one DART run each")
-    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument(
+        "--topk", type=int, default=None, help="DART's candidates per depth (default: the server's, 16)"
+    )
     parser.add_argument("--tree-sizes", nargs="+", default=["default"], help="one DART run each")
     parser.add_argument("--skip-ngram", action="store_true")
     parser.add_argument("--skip-dart", action="store_true", help="no DART server (e.g. to tune a peer alone)")
@@ -329,9 +331,9 @@ def main(argv: list[str] | None = None) -> None:
             name = "DART" + (f" N{n}" if len(args.num_draft_tokens) > 1 else "")
             name += f" [{sizes}]" if len(args.tree_sizes) > 1 else ""
             env = {} if sizes == "default" else {"SGLANG_DART_TREE_SIZES": sizes}
+            topk = [] if args.topk is None else ["--speculative-eagle-topk", str(args.topk)]
             configs[name] = ([
-                *dart_flags(args.draft, args.store),
-                "--speculative-eagle-topk", str(args.topk), "--speculative-num-draft-tokens", str(n),
+                *dart_flags(args.draft, args.store), *topk, "--speculative-num-draft-tokens", str(n),
             ], env)  # fmt: skip
     first_gemm, *other_gemms = args.cpu_gemm
     for name, (extra, env) in list(configs.items()):

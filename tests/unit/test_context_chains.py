@@ -13,9 +13,11 @@ import pytest
 from sglang_dart.dart.progress import RequestProgress
 from sglang_dart.dart.settings import (
     DEFAULT_CONTEXT_NODES,
+    DEFAULT_TOPK,
     DartArgsError,
     candidates_per_depth,
     context_nodes,
+    resolve_topk,
 )
 from sglang_dart.pruner import ContextIndex, PrunerConfig, prune_batch
 from tests.unit.test_pruner import _assert_invariants, _softmax_rows
@@ -211,3 +213,20 @@ def test_a_malformed_candidates_per_depth_is_named_not_a_traceback(monkeypatch):
         monkeypatch.setenv("SGLANG_DART_TOPK", bad)
         with pytest.raises(DartArgsError, match="SGLANG_DART_TOPK"):
             candidates_per_depth()
+
+
+def test_candidates_per_depth_come_from_the_flag_the_environment_or_the_default(monkeypatch):
+    monkeypatch.delenv("SGLANG_DART_TOPK", raising=False)
+    assert resolve_topk(None, 8192) == DEFAULT_TOPK == 16
+    assert resolve_topk(None, 10) == 10  # the default is capped at a small draft vocabulary
+    assert resolve_topk(4, 8192) == 4  # the flag, as given
+    monkeypatch.setenv("SGLANG_DART_TOPK", "6")
+    assert resolve_topk(None, 8192) == 6
+    assert resolve_topk(1, 8192) == 6  # the flag an earlier process of this server translated
+    assert resolve_topk(3, 8192) == 3  # a flag other than 1 wins over the environment
+    for given in (0, 11):
+        with pytest.raises(DartArgsError, match=r"must be in \[1, 10\]"):
+            resolve_topk(given, 10)
+    monkeypatch.setenv("SGLANG_DART_TOPK", "12")  # asked for, not capped: refused
+    with pytest.raises(DartArgsError, match=r"must be in \[1, 10\]"):
+        resolve_topk(None, 10)
