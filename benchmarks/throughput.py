@@ -2,7 +2,7 @@
 several batch sizes, in one run (ratios are against the plain server measured in the same run).
 
     .venv/bin/python benchmarks/throughput.py --draft DRAFT_DIR --store STORE [--model DIR]
-        [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 16]
+        [--batch-sizes 1 4 16] [--new-tokens 128] [--num-draft-tokens 16 [8 ...]] [--topk 16 [8 ...]]
         [--tree-sizes default [fixed 1:8,4:1 ...]] [--repeats 3] [--dtype float32]
         [--cpu-gemm auto [torch rust ...]] [--server-env NAME=VALUE ...] [--requests 16] [--png FILE]
         [--eagle3 DIR [--eagle3-settings 4,1,5 ...]] [--dflash DIR [--dflash-block-sizes 8 ...]] [--skip-dart]
@@ -35,6 +35,7 @@ NGRAM learns from every answer it serves, so it gets a fresh server per batch si
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import re
@@ -160,6 +161,26 @@ def eagle3_setting(text: str) -> tuple[int, int, int]:
     return steps, topk, tokens
 
 
+def dart_configs(
+    draft: Path, store: Path, num_draft_tokens: list[int], tree_sizes: list[str], topks: list[int | None]
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """One DART server per (largest tree, tree-size schedule, k); None for k: the server's default. A name
+    says only what varies."""
+    from sglang_dart.server_process import dart_flags
+
+    configs = {}
+    for n, sizes, k in itertools.product(num_draft_tokens, tree_sizes, topks):
+        name = "DART" + (f" N{n}" if len(num_draft_tokens) > 1 else "")
+        name += f" [{sizes}]" if len(tree_sizes) > 1 else ""
+        name += f" k{k}" if len(topks) > 1 else ""
+        env = {} if sizes == "default" else {"SGLANG_DART_TREE_SIZES": sizes}
+        topk = [] if k is None else ["--speculative-eagle-topk", str(k)]
+        configs[name] = ([
+            *dart_flags(draft, store), *topk, "--speculative-num-draft-tokens", str(n),
+        ], env)  # fmt: skip
+    return configs
+
+
 def peer_configs(
     eagle3: Path | None, eagle3_settings: list[str], dflash: Path | None, dflash_blocks: list[int]
 ) -> dict[str, tuple[list[str], dict[str, str]]]:
@@ -214,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from sglang_dart.assets import smollm2_dir
     from sglang_dart.cpu.skinny_gemm import MODES as CPU_GEMM_MODES
-    from sglang_dart.server_process import SglangServer, dart_flags, stop_servers_on_sigterm
+    from sglang_dart.server_process import SglangServer, stop_servers_on_sigterm
 
     parser = dart_parser(__doc__, required=False)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
@@ -228,7 +249,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--num-draft-tokens", type=int, nargs="+", default=[16], help="one DART run each")
     parser.add_argument(
-        "--topk", type=int, default=None, help="DART's candidates per depth (default: the server's, 16)"
+        "--topk",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="DART's candidates per depth, one DART run each (default: the server's, 16)",
     )
     parser.add_argument("--tree-sizes", nargs="+", default=["default"], help="one DART run each")
     parser.add_argument("--skip-ngram", action="store_true")
@@ -326,15 +351,9 @@ def main(argv: list[str] | None = None) -> None:
         configs.update(peer_configs(args.eagle3, args.eagle3_settings, args.dflash, args.dflash_block_sizes))
     except ValueError as err:
         parser.error(str(err))
-    for n in [] if args.skip_dart else args.num_draft_tokens:
-        for sizes in args.tree_sizes:
-            name = "DART" + (f" N{n}" if len(args.num_draft_tokens) > 1 else "")
-            name += f" [{sizes}]" if len(args.tree_sizes) > 1 else ""
-            env = {} if sizes == "default" else {"SGLANG_DART_TREE_SIZES": sizes}
-            topk = [] if args.topk is None else ["--speculative-eagle-topk", str(args.topk)]
-            configs[name] = ([
-                *dart_flags(args.draft, args.store), *topk, "--speculative-num-draft-tokens", str(n),
-            ], env)  # fmt: skip
+    if not args.skip_dart:
+        dart = dart_configs(args.draft, args.store, args.num_draft_tokens, args.tree_sizes, args.topk)
+        configs.update(dart)
     first_gemm, *other_gemms = args.cpu_gemm
     for name, (extra, env) in list(configs.items()):
         env[GEMM_ENV] = first_gemm

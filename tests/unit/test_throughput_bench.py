@@ -5,6 +5,7 @@ from benchmarks.throughput import (
     Measurement,
     _synchronous_already,
     agreement,
+    dart_configs,
     eagle3_setting,
     output_lengths,
     peer_configs,
@@ -103,6 +104,18 @@ def test_peer_servers_get_sglangs_own_flags(tmp_path):
     blocks = peer_configs(None, ["3,4,8"], dflash, [4, 8])
     assert list(blocks) == ["DFLASH block 4", "DFLASH block 8"]
     assert blocks["DFLASH block 8"][0][-2:] == ["--speculative-dflash-block-size", "8"]
+
+
+def test_dart_servers_one_per_tree_schedule_and_k_with_the_default_k_left_to_the_server():
+    one = dart_configs("d", "s", [16], ["default"], [None])
+    assert list(one) == ["DART"]
+    flags, env = one["DART"]
+    assert flags == [*dart_flags("d", "s"), "--speculative-num-draft-tokens", "16"] and env == {}
+    several = dart_configs("d", "s", [16], ["default", "1:8"], [8, 16])
+    assert list(several) == ["DART [default] k8", "DART [default] k16", "DART [1:8] k8", "DART [1:8] k16"]
+    flags, env = several["DART [1:8] k8"]
+    assert flags[-4:] == ["--speculative-eagle-topk", "8", "--speculative-num-draft-tokens", "16"]
+    assert env == {"SGLANG_DART_TREE_SIZES": "1:8"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU DART keeps overlap scheduling")
