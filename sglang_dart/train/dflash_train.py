@@ -16,7 +16,7 @@ from torch import nn
 
 from sglang_dart.train import trainer
 from sglang_dart.train.dflash_model import DFlashDrafter
-from sglang_dart.train.estimate import estimated_sequences, text_caveat
+from sglang_dart.train.estimate import AcceptTally, estimated_sequences, text_caveat
 from sglang_dart.train.features import SequenceFeatures
 from sglang_dart.train.trainer import RowStats, TrainSettings, fit, top1_hits
 from sglang_dart.train.trainer import bf16_autocast as autocast_on
@@ -173,8 +173,7 @@ def estimate_acceptance(
     any (`estimate.estimated_sequences`). None when no held-out sequence has such a block."""
     rng = random.Random(seed)
     device = model.fc.weight.device
-    correct = torch.zeros(block - 1)
-    anchors_seen, sequences, total = 0, 0, 0.0
+    tally = AcceptTally(block - 1, k=1)  # SGLang's DFLASH verifies one chain: no wider bound to report
     data, skipped, own_text = estimated_sequences(data)
     model.eval()
     for feats in data:
@@ -185,13 +184,10 @@ def estimate_acceptance(
         feats = feats.to(device)
         with autocast_on(bf16_autocast, device):
             logits = block_logits(model, target, feats, anchors, block, mask_id)
-        hits = logits.float().argmax(-1) == block_labels(feats, anchors, block)
-        correct += hits.float().sum(0).cpu()
-        total += float((1 + hits.int().cumprod(1).sum(1)).sum())
-        anchors_seen += anchors.shape[0]
-        sequences += 1
-    if not anchors_seen:
+        tally.add(logits.float(), block_labels(feats, anchors, block))
+    found = tally.estimate(skipped, own_text)
+    if found is None:
         return None
     return BlockEstimate(
-        sequences, anchors_seen, (correct / anchors_seen).tolist(), total / anchors_seen, skipped, own_text
+        found.sequences, found.anchors, found.top1_by_row, found.tau_chain, skipped, own_text
     )

@@ -98,9 +98,9 @@ def _leading_hits(hits: torch.Tensor) -> torch.Tensor:
 
 
 class AcceptTally:
-    """Sums what a drafter's guesses would accept, one held-out sequence at a time, for the DART and EAGLE3
-    estimates alike: row j of an anchor is its guess j + 1 tokens ahead, and a chain accepts rows 0, 1, ...
-    while they are right."""
+    """Sums what a drafter's guesses would accept, one held-out sequence at a time, for the DART, EAGLE3
+    and DFLASH estimates alike: row j of an anchor is its guess j + 1 tokens ahead (a DFLASH block's
+    position j + 1), and a chain accepts rows 0, 1, ... while they are right."""
 
     def __init__(self, rows: int, k: int) -> None:
         self.k = k

@@ -246,3 +246,43 @@ def test_an_anchor_block_step_computes_on_the_drafters_device():
     labels = block_labels(feats, anchors, BLOCK)
     assert tuple(logits.shape) == (3, BLOCK - 1, 100) and logits.device.type == "meta"
     assert tuple(labels.shape) == (3, BLOCK - 1) and labels.device.type == "meta"
+
+
+def test_acceptance_estimate_of_a_trained_and_an_untrained_dflash_drafter():
+    """The DFLASH estimate lines block position j's guess up with the target's token j places past the
+    anchor: a drafter trained on the copy task chains most of its block on unseen sequences (tau over
+    BLOCK - 1), an untrained one stops at once (tau near 1); only blocks whose every position has a label
+    count."""
+    from sglang_dart.train.dflash_model import DFlashDrafter, DFlashShape
+    from sglang_dart.train.dflash_train import FrozenTarget, estimate_acceptance, train
+    from sglang_dart.train.trainer import TrainSettings
+    from tests.unit.test_train import _copy_task
+
+    shape = DFlashShape(
+        hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=1,
+        num_context_features=3, rms_norm_eps=1e-6, rope_theta=10000.0,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    frozen = FrozenTarget(
+        embed=torch.randn(50, 32, generator=gen), lm_head=torch.randn(50, 32, generator=gen)
+    )
+    torch.manual_seed(0)
+    model = DFlashDrafter(shape)
+    mask_id = 49
+    held_out = _copy_task(count=6, length=24, seed=3, sequence_seed=9)
+    untrained = estimate_acceptance(model, frozen, held_out, BLOCK, mask_id, bf16_autocast=False)
+    settings = TrainSettings(
+        sequences_per_step=2, max_steps=150, warmup_steps=10, learning_rate=3e-3, bf16_autocast=False,
+        log_every=0, progress_bar=False,
+    )  # fmt: skip
+    train(
+        model, frozen, _copy_task(count=16, length=24, seed=3), settings, BLOCK, mask_id, log=lambda _: None
+    )
+    trained = estimate_acceptance(model, frozen, held_out, BLOCK, mask_id, bf16_autocast=False)
+    # anchors 1..24 - BLOCK + 1: the last block's final position drafts the sequence's last token
+    assert trained.sequences == 6 and trained.anchors == 6 * (24 - BLOCK + 1)
+    assert trained.tau > BLOCK - 1 and min(trained.top1_by_position) > 0.7, trained
+    assert untrained.tau < 1.5 < trained.tau
+    assert len(trained.top1_by_position) == BLOCK - 1
+    too_short = _copy_task(count=2, length=BLOCK - 2, seed=4)
+    assert estimate_acceptance(model, frozen, too_short, BLOCK, mask_id, bf16_autocast=False) is None
