@@ -12,6 +12,12 @@ for an unknown (plugin) algorithm would be wrong for DART:
   verify graphs with no hidden states; DART reads the taps of every verify.
 - how many bytes a KV slot costs (`count_draft_state_in_pool`): the drafter keeps per-slot state beside
   the target's KV; SGLang's memory planner must size the pool with it, not find it missing afterwards.
+- how wide a request's row of KV slots is (`row_holds_the_decode_reserve`): each speculative decode step
+  reserves twice the largest tree past a request's committed tokens, but with one token a page SGLang
+  widens the row past the context length by only the tree plus 4. A request that runs to the context
+  limit with trees of more than 4 nodes then writes past its row: an IndexError that kills a CPU
+  scheduler, and on a GPU a write into the next request's row (SGLang's kernel masks by the request's
+  end, not the row's). Not DART's alone: every speculative algorithm gets the wider row.
 
 The functions are pure where they can be, so the tests check them with SGLang's real classes on a CPU.
 """
@@ -120,6 +126,16 @@ def _count_draft_state_in_pool(_result: Any, configurator: Any, kvc: Any, *_args
     logger.info("DART: KV pool sized with %d drafter bytes per slot", extra)
 
 
+def _row_holds_the_decode_reserve(result: int, server_args: Any, *_args: Any, **_kwargs: Any) -> int:
+    """AFTER hook on allocation_sizing.get_req_to_token_extra_context_len: a row's headroom past the
+    context length holds what `eagle_prepare_for_decode` allocates past the committed tokens."""
+    if getattr(server_args, "speculative_algorithm", None) is None:
+        return result
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+
+    return max(result, get_alloc_reserve_per_decode(server_args) + server_args.page_size - 1)
+
+
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -136,6 +152,10 @@ def install() -> None:
         (
             "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
             _count_draft_state_in_pool,
+        ),
+        (
+            "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len",
+            _row_holds_the_decode_reserve,
         ),
     ):
         HookRegistry.register(target, hook, HookType.AFTER)

@@ -78,6 +78,7 @@ class Trees:
         progress: RequestProgress,
         timer: PhaseTimer,
         context_nodes: int = 0,
+        context_len: int | None = None,
     ) -> None:
         self.drafter = drafter
         self.store = store
@@ -89,16 +90,24 @@ class Trees:
         self.progress = progress
         self.timer = timer
         self.context_nodes = context_nodes if progress.context is not None else 0
+        # The target's positions: its RoPE table (and a request's row of KV slots) ends there.
+        self.context_len = context_len
         self.candidates: dict[str, DraftCandidates] = {}
         self.host: HostTrees | None = None  # this step's trees
 
     def size_for_step(self, batch: Any, planned: int) -> int:
         """The planned tree size, or 1 (the root alone) when some request has no current candidates, e.g.
-        the step after one that drafted nothing."""
+        the step after one that drafted nothing, or when a request's tree could reach past the target's
+        context: a tree of N is at most N - 1 deep past its root, and SGLang ends a request before the
+        context does, so those nodes could never be kept, while their positions would fall outside the
+        target's RoPE table (a CPU scheduler raises there). Only a request's last few tokens lose trees."""
         if planned > 1:
             for req in batch.reqs:
+                now = self.progress.of(req)
                 cand = self.candidates.get(req.rid)
-                if cand is None or not cand.current(self.progress.of(req)):
+                if cand is None or not cand.current(now):
+                    return 1
+                if self.context_len is not None and now.committed + planned > self.context_len:
                     return 1
         return planned
 

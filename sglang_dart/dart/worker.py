@@ -155,6 +155,7 @@ class DartWorker(NGRAMWorker):
             self.progress,
             self.timer,
             chain_nodes,
+            model_config.context_len,
         )
         self.drafting: Drafting | None = None  # once SGLang has allocated the pools
         self.checks = os.environ.get(CHECKS_ENV) == "1"

@@ -330,6 +330,28 @@ def _with_draft_tokens(args: list[str], tokens: int) -> list[str]:
     return [*args[:at], str(tokens), *args[at + 1 :]]
 
 
+def test_requests_that_run_to_the_context_limit_equal_plain(qwen3_plain, schedule_servers):
+    """Requests with no max_new_tokens end where SGLang's context limit ends them, in trees of 16 (two at a
+    time, below the schedule's switch). A speculative step reserves KV slots twice its largest tree past
+    a request's committed tokens, so the last steps need the row headroom `gpu_contracts` adds (without
+    it the CPU scheduler died of an IndexError here), and their trees must not reach positions past the
+    target's RoPE table (the pruner's trees of 16 reach 8 deep, context chains 15)."""
+    context = 2048  # the tiny Qwen3's max_position_embeddings: the server's context length
+    longest = context - 7  # SGLang admits inputs of up to (context - 1) - 5 tokens, exclusive
+    lengths = range(longest - 30, longest + 1, 10)
+    prompts = [[10 + (i + k) % (3 + k) for i in range(n)] for k, n in enumerate(lengths)]  # periodic
+    params = {"temperature": 0.0, "ignore_eos": True}
+    plain = qwen3_plain.generate_many(prompts, params, concurrency=2)
+    assert [len(p) + o["meta_info"]["completion_tokens"] for p, o in zip(prompts, plain, strict=True)] == [
+        context - 2
+    ] * len(prompts)
+    server = schedule_servers["1:16,4:1"]
+    spec = server.generate_many(prompts, params, concurrency=2)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert max(o["meta_info"]["spec_accept_length"] for o in spec) > 1  # trees ran, and drafts were kept
+    assert server.healthy()
+
+
 def test_tree_size_follows_the_batch_size(own_store_assets, schedule_servers):
     """Schedule 1:16,4:1: steps with 4 or more running requests verify the roots alone (accept length
     exactly 1 in the per-step log line), smaller batches draft trees of 16 again (accept length > 1).

@@ -255,3 +255,21 @@ def test_overlap_scheduling_stays_on_for_cuda_and_is_opt_in_on_a_cpu(assets, mon
     assert _dart_server_args(assets, "cpu").disable_overlap_schedule is True
     monkeypatch.setenv(CPU_OVERLAP_ENV, "1")
     assert _dart_server_args(assets, "cpu").disable_overlap_schedule is False
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_requests_row_holds_the_decode_reserve(assets, device):
+    """Each speculative decode step allocates KV slots up to twice the largest tree past a request's
+    committed tokens (`eagle_prepare_for_decode`); near the context limit those slots must still fit the
+    request's row of `req_to_token`, whose width SGLang sets from the context length plus this headroom
+    (read through the name the KV-cache configurator imported)."""
+    from sglang.srt.mem_cache import kv_cache_configurator
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+    from sglang.srt.server_args import ServerArgs
+
+    args = _cuda_server_args(assets) if device == "cuda" else _dart_server_args(assets, "cpu")
+    assert args.speculative_num_draft_tokens == 16
+    headroom = kv_cache_configurator.get_req_to_token_extra_context_len(args)
+    assert headroom >= get_alloc_reserve_per_decode(args) == 32
+    plain = ServerArgs(model_path=str(assets.model), device="cpu")
+    assert kv_cache_configurator.get_req_to_token_extra_context_len(plain) == 4
