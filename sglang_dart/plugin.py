@@ -1,8 +1,9 @@
 """SGLang plugin entry point (`sglang.srt.plugins` group): run once in every SGLang process.
 
-It registers `--speculative-algorithm DART` and the hook that makes its drafted counts exact
-(`spec_counts`), and on a machine with no GPU it installs the CPU attention backend that supports
-speculative verify and routes few-row linear layers through `cpu.skinny_gemm`.
+It registers `--speculative-algorithm DART`, the hook that makes its drafted counts exact
+(`spec_counts`) and the check that refuses token ids outside the vocabulary (`request_checks`), and on a
+machine with no GPU it installs the CPU attention backend that supports speculative verify and routes
+few-row linear layers through `cpu.skinny_gemm`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shutil
 import sys
 import types
 
-from sglang_dart import spec_counts
+from sglang_dart import request_checks, spec_counts
 from sglang_dart.dart import gpu_contracts
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ def set_openmp_spinning_once_args_are_known() -> None:
 def register() -> None:
     register_dart()
     spec_counts.install()
+    request_checks.install()
     put_ninja_on_path()
     from sglang_dart.cpu import detect
 

@@ -258,6 +258,22 @@ def test_grammar_constrained_requests(qwen3_plain, qwen3_dart):
             assert re.fullmatch(pattern, out["text"]), out["text"]
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_and_serving_goes_on(qwen3_plain, qwen3_dart):
+    """An id past the vocabulary (or negative) reached SGLang's embedding and killed the scheduler with
+    every request on it; `request_checks` answers 400 before that, on plain and DART servers alike."""
+    vocab = json.loads((Path(qwen3_plain.model_path) / "config.json").read_text())["vocab_size"]
+    greedy = {"max_new_tokens": 8, "temperature": 0.0}
+    for server in (qwen3_plain, qwen3_dart):
+        for ids in ([5, 6, vocab], [[5, 6, 7], [5, -1, 7]]):
+            resp = requests.post(f"{server.url}/generate", json={"input_ids": ids, "sampling_params": greedy})
+            assert resp.status_code == 400 and "outside the model's vocabulary" in resp.text, resp.text
+        assert server.healthy()
+        assert (
+            len(server.generate({"input_ids": [5, 6, vocab - 1], "sampling_params": greedy})["output_ids"])
+            == 8
+        )
+
+
 def test_streaming_load_with_random_aborts(qwen3_dart, qwen3_plain):
     """64 concurrent streaming requests, a third of them dropped mid-stream; then the server is healthy
     (SGLang's idle KV leak check would have killed the scheduler) and still lossless."""

@@ -6,6 +6,8 @@ import os
 import shutil
 from types import SimpleNamespace
 
+import pytest
+
 from sglang_dart.plugin import put_ninja_on_path
 
 
@@ -67,3 +69,13 @@ def test_the_drafted_count_hook_targets_sglangs_method():
     module, cls, method = TARGET.rsplit(".", 2)
     assert module == TokenizerManager.__module__ and cls == TokenizerManager.__name__
     assert callable(getattr(TokenizerManager, method))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_by_name():
+    from sglang_dart.request_checks import refuse_ids_outside_the_vocabulary
+
+    refuse_ids_outside_the_vocabulary([0, 5, 99], 100)
+    refuse_ids_outside_the_vocabulary(None, 100)  # text or embeddings: nothing to check here
+    for ids, bad in (([0, 100], 100), ([-1, 5], -1), ([3, 7, 12345], 12345)):
+        with pytest.raises(ValueError, match=rf"token id {bad}, outside the model's vocabulary \[0, 100\)"):
+            refuse_ids_outside_the_vocabulary(ids, 100)
