@@ -24,6 +24,9 @@ from pathlib import Path
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".sglang_dart_complete"
+# Bumped when the conversion's output changes, so that caches made before are converted again
+# (2: the tokenizer's decoder is plain byte-level, `_byte_level_decoder`).
+_CONVERSION = 2
 SHIPPED_SMOLLM2 = Path(__file__).parent / "shipped" / "smollm2-135m-instruct"
 
 
@@ -58,7 +61,7 @@ def smollm2_dir(dtype: str = "bfloat16") -> Path:
     gguf = _smollm2_gguf()
     suffix = "" if dtype == "bfloat16" else f"-{dtype}"
     target = cache_root() / "models" / f"{SMOLLM2_NAME}{suffix}"
-    stamp = f"{_fingerprint(gguf)}:{dtype}"
+    stamp = f"{_fingerprint(gguf)}:{dtype}:{_CONVERSION}"
     marker = target / _MARKER
     if marker.is_file() and marker.read_text() == stamp:
         return target
@@ -104,6 +107,23 @@ def _convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _byte_level_decoder(out / "tokenizer.json")
+
+
+def _byte_level_decoder(path: Path) -> None:
+    """The GGUF conversion gives SmolLM2's byte-level BPE the decoder sequence [ByteFallback, Fuse,
+    Replace, ByteLevel], where the original tokenizer has ByteLevel alone. The text decodes the same (the
+    vocabulary has no <0xNN> or U+2581 tokens for the first three to act on), but xgrammar reads the first
+    decoder, takes the vocabulary for byte-fallback and keeps "Ġ" and "Ċ" as literal text, so a grammar
+    could never emit a space or a newline: a regex or EBNF with whitespace ended in an abort, on plain
+    and DART servers alike. Keep the ByteLevel decoder alone, as the original has it."""
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    decoder = spec.get("decoder") or {}
+    byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+    if (spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel" or len(byte_level) != 1:
+        return  # not the shape this mends
+    spec["decoder"] = byte_level[0]
+    path.write_text(json.dumps(spec, ensure_ascii=False, indent=2), encoding="utf-8")
 
 
 def shipped_smollm2_drafter() -> tuple[Path, Path]:

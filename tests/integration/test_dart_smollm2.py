@@ -3,6 +3,7 @@ equals the plain server's on 50 chat prompts at concurrency 16 (1 and 4 nightly)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,3 +45,28 @@ def test_smollm2_greedy_equals_plain(smollm2_dart, smollm2_chat_prompts, smollm2
     for i, (got, want) in enumerate(zip(spec, smollm2_reference, strict=True)):
         assert got == want, f"prompt {i}"
     assert smollm2_dart.healthy()
+
+
+def test_the_converted_smollm2_tokenizer_reads_as_byte_level_to_xgrammar(smollm2_f32_dir):
+    """What SGLang's grammar backend builds from the served model's tokenizer."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_f32_dir)
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    assert info.vocab_type == xgrammar.VocabType.BYTE_LEVEL
+    assert tokenizer.decode(tokenizer(" a\nb  c")["input_ids"]) == " a\nb  c"
+
+
+@pytest.mark.parametrize("pattern", [r"(yes|no), [a-z]{3,10}\.", r"(yes|no)\n[a-z]{3,10}"])
+def test_grammars_with_whitespace_complete(smollm2_dart, pattern):
+    """The converted tokenizer keeps SmolLM2's byte-level decoder alone (`assets._byte_level_decoder`):
+    with the GGUF conversion's decoder sequence xgrammar took the vocabulary for byte-fallback, no token
+    could make a space or a newline, and every such request ended in an abort after "no"."""
+    body = {
+        "text": "Is 9 a prime number? Answer yes or no, then one word.",
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0.0, "regex": pattern},
+    }
+    out = smollm2_dart.generate(body)
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
+    assert re.fullmatch(pattern, out["text"]), out["text"]
