@@ -3,8 +3,9 @@
 A token id outside the target's vocabulary (`input_ids` from another model's tokenizer, say) reaches the
 embedding and kills the scheduler, and every request it was running with it: an IndexError on a CPU, a
 device-side assert on a GPU. SGLang has a check for it (`TokenizerManager._validate_input_ids_in_vocab`)
-that nothing calls. The same holds for plain serving, so it is installed in every process the plugin
-loads in, not for DART alone.
+that nothing calls; it is not called here either, since it lets negative ids through (they crash the
+embedding too) and quotes the whole prompt in its error. The same holds for plain serving, so this check
+is installed in every process the plugin loads in, not for DART alone.
 """
 
 from __future__ import annotations
