@@ -1,7 +1,8 @@
 """SGLang plugin entry point (`sglang.srt.plugins` group): run once in every SGLang process.
 
 It registers `--speculative-algorithm DART`, the hook that makes its drafted counts exact
-(`spec_counts`) and the check that refuses token ids outside the vocabulary (`request_checks`), and on a
+(`spec_counts`), the check that refuses token ids outside the vocabulary (`request_checks`) and the rule that
+keeps `input_embeds` prompts and token prompts in separate prefill batches (`prefill_batches`), and on a
 machine with no GPU it installs the CPU attention backend that supports speculative verify and routes
 few-row linear layers through `cpu.skinny_gemm`.
 """
@@ -14,7 +15,7 @@ import shutil
 import sys
 import types
 
-from sglang_dart import request_checks, spec_counts
+from sglang_dart import prefill_batches, request_checks, spec_counts
 from sglang_dart.dart import gpu_contracts
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ def register() -> None:
     register_dart()
     spec_counts.install()
     request_checks.install()
+    prefill_batches.install()
     put_ninja_on_path()
     from sglang_dart.cpu import detect
 

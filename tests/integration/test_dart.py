@@ -87,7 +87,13 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
     base = [*dart_server_args(*qwen3_assets), *SEED]
     unset_tuning = {TREE_SIZES_ENV: None, "GOMP_SPINCOUNT": None}  # the defaults are under test
     return {
-        "no-chains": (tiny_qwen3_dir, base, {"SGLANG_DART_CONTEXT_NODES": "0"}, "qwen3-dart-no-chains"),
+        # Also without a radix cache, which SGLang requires for prompts given as input_embeds.
+        "no-chains": (
+            tiny_qwen3_dir,
+            [*base, "--disable-radix-cache"],
+            {"SGLANG_DART_CONTEXT_NODES": "0"},
+            "qwen3-dart-no-chains",
+        ),
         # Requests that re-enter through prefill: retracted by SGLang's test switch, or prefilled in
         # 16-token chunks.
         "reentry": (
@@ -178,11 +184,8 @@ def test_context_chains_are_accepted_losslessly(qwen3_plain, qwen3_dart, variant
     (`SGLANG_DART_CONTEXT_NODES=0`), and the target's own output either way."""
     prompts, new_tokens = many_prompts(12), 64
     reference = [out["output_ids"] for out in run_all(qwen3_plain, prompts, 8, new_tokens)]
-    off = variant_servers("no-chains")
-    try:
-        without = run_all(off, prompts, 4, new_tokens)
-    finally:
-        off.stop()
+    off = variant_servers("no-chains")  # stopped by the input_embeds test, which follows
+    without = run_all(off, prompts, 4, new_tokens)
     with_chains = run_all(qwen3_dart, prompts, 4, new_tokens)
     for runs in (without, with_chains):
         assert [out["output_ids"] for out in runs] == reference
@@ -192,6 +195,45 @@ def test_context_chains_are_accepted_losslessly(qwen3_plain, qwen3_dart, variant
 
     print(f"context chains: {steps(with_chains)} verify steps, {steps(without)} without")
     assert steps(with_chains) < steps(without)
+
+
+def _embedding_rows(model_dir: Path, ids: list[int]) -> list[list[float]]:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as weights:
+        table = weights.get_tensor("model.embed_tokens.weight")
+    return table[ids].float().tolist()
+
+
+def test_input_embeds_prompts_beside_token_prompts(tiny_qwen3_dir, qwen3_plain, variant_servers):
+    """Prompts given as input_embeds, sent together with token prompts: SGLang put both kinds in one
+    prefill batch, gathered embeddings for one kind only and the scheduler died of the shape mismatch
+    (plain servers too); `prefill_batches` keeps the kinds apart. Either way in, the answer is the
+    target's greedy answer to the same tokens."""
+    from transformers import AutoTokenizer
+
+    server = variant_servers("no-chains")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+        prompt_ids = [tokenizer(p)["input_ids"] for p in many_prompts(6)]
+        greedy = {"max_new_tokens": 24, "temperature": 0.0}
+        reference = [
+            qwen3_plain.generate({"input_ids": ids, "sampling_params": greedy}) for ids in prompt_ids
+        ]
+        bodies = [
+            body
+            for ids in prompt_ids
+            for body in (
+                {"input_embeds": _embedding_rows(tiny_qwen3_dir, ids), "sampling_params": greedy},
+                {"input_ids": ids, "sampling_params": greedy},
+            )
+        ]
+        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+            answers = list(pool.map(server.generate, bodies))
+        assert [a["output_ids"] for a in answers] == [r["output_ids"] for r in reference for _ in range(2)]
+        assert server.healthy()
+    finally:
+        server.stop()
 
 
 def test_parallel_samples_equal_plain(qwen3_plain, qwen3_dart):

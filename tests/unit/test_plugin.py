@@ -79,3 +79,33 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name():
     for ids, bad in (([0, 100], 100), ([-1, 5], -1), ([3, 7, 12345], 12345)):
         with pytest.raises(ValueError, match=rf"token id {bad}, outside the model's vocabulary \[0, 100\)"):
             refuse_ids_outside_the_vocabulary(ids, 100)
+
+
+def test_a_prefill_batch_takes_prompts_of_one_input_kind():
+    """Once a batch holds a token prompt, an input_embeds prompt waits for the next batch (and the other
+    way round); a prompt of the batch's kind goes to SGLang's own admission."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from sglang_dart.prefill_batches import TARGET, one_input_kind_per_batch
+
+    module, cls, method = TARGET.rsplit(".", 2)
+    assert module == PrefillAdder.__module__ and cls == PrefillAdder.__name__
+    assert callable(getattr(PrefillAdder, method))
+
+    admitted = []
+
+    def add_one_req(adder, req, *_args, **_kwargs):  # stands in for SGLang's admission
+        adder.can_run_list.append(req)
+        admitted.append(req)
+        return AddReqResult.CONTINUE
+
+    tokens, embeds = SimpleNamespace(input_embeds=None), SimpleNamespace(input_embeds=[[0.5, 0.25]])
+    for first, other in ((tokens, embeds), (embeds, tokens)):
+        adder = SimpleNamespace(can_run_list=[])
+        admitted.clear()
+        assert one_input_kind_per_batch(add_one_req, adder, first, True, None) is AddReqResult.CONTINUE
+        assert one_input_kind_per_batch(add_one_req, adder, first, True, None) is AddReqResult.CONTINUE
+        assert one_input_kind_per_batch(add_one_req, adder, other, True, None) is AddReqResult.OTHER
+        assert admitted == [first, first]
