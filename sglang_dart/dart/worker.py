@@ -85,6 +85,9 @@ logger = logging.getLogger(__name__)
 # SGLANG_DART_CHECKS=1 (the tests set it): assert bookkeeping invariants every step; a broken one ends the
 # server instead of quietly degrading the drafts (which would cost speed, never correctness).
 CHECKS_ENV = "SGLANG_DART_CHECKS"
+TARGET_WEIGHTS_UPDATED = (
+    "Succeeded to update model weights (the target's; the DART drafter keeps its own checkpoint)."
+)
 
 
 def _check_roots_follow_the_cache(
@@ -299,6 +302,16 @@ class DartWorker(NGRAMWorker):
     def clear_cache_pool(self) -> None:
         self._settle()
         self.trees.keep_only([])
+
+    # SGLang updates the target first, then asks the speculative worker to load the same weights into its
+    # draft runners, which DART's drafter cannot take: it is another checkpoint, and the target's
+    # embedding table it reads is a view of the target's, updated in place. Its drafts may fit the new
+    # target less well; verification keeps the output the new target's.
+    def update_weights_from_disk(self, _recv_req: Any) -> tuple[bool, str]:
+        return True, TARGET_WEIGHTS_UPDATED
+
+    def update_weights_from_ipc(self, _recv_req: Any) -> tuple[bool, str]:
+        return True, TARGET_WEIGHTS_UPDATED
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
         raise ValueError("DART reads its 3-gram store from --speculative-ngram-external-corpus-path only")

@@ -33,6 +33,7 @@ from tests.support.dart_serving import (
 )
 from tests.support.launcher_args import refusals
 from tests.support.prompts_many import many_prompts
+from tests.support.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.server
 
@@ -212,25 +213,50 @@ def test_input_embeds_prompts_beside_token_prompts(tiny_qwen3_dir, qwen3_plain, 
     target's greedy answer to the same tokens."""
     from transformers import AutoTokenizer
 
+    server = variant_servers("no-chains")  # stopped by the weight-update test, which follows
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in many_prompts(6)]
+    greedy = {"max_new_tokens": 24, "temperature": 0.0}
+    reference = [qwen3_plain.generate({"input_ids": ids, "sampling_params": greedy}) for ids in prompt_ids]
+    bodies = [
+        body
+        for ids in prompt_ids
+        for body in (
+            {"input_embeds": _embedding_rows(tiny_qwen3_dir, ids), "sampling_params": greedy},
+            {"input_ids": ids, "sampling_params": greedy},
+        )
+    ]
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        answers = list(pool.map(server.generate, bodies))
+    assert [a["output_ids"] for a in answers] == [r["output_ids"] for r in reference for _ in range(2)]
+    assert server.healthy()
+
+
+def _load_weights(server: SglangServer, model_dir: Path) -> None:
+    # No cache flush: the server runs without a radix cache (see test_packed_weights.py for why not).
+    body = {"model_path": str(model_dir), "flush_cache": False}
+    resp = requests.post(f"{server.url}/update_weights_from_disk", json=body, timeout=300)
+    resp.raise_for_status()
+    assert resp.json()["success"], resp.json()
+
+
+def test_weight_updates_reach_the_target_and_serving_goes_on(
+    tiny_qwen3_dir, qwen3_plain, variant_servers, tmp_path
+):
+    """/update_weights_from_disk: SGLang updates the target, then asked the speculative worker to load the
+    same weights into draft runners DART does not have, and the scheduler died (AttributeError). DART's
+    drafter keeps its own checkpoint and reads the target's embedding table in place, so after an update
+    the answers are the new target's, and after updating back, the plain server's again."""
     server = variant_servers("no-chains")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
-        prompt_ids = [tokenizer(p)["input_ids"] for p in many_prompts(6)]
-        greedy = {"max_new_tokens": 24, "temperature": 0.0}
-        reference = [
-            qwen3_plain.generate({"input_ids": ids, "sampling_params": greedy}) for ids in prompt_ids
-        ]
-        bodies = [
-            body
-            for ids in prompt_ids
-            for body in (
-                {"input_embeds": _embedding_rows(tiny_qwen3_dir, ids), "sampling_params": greedy},
-                {"input_ids": ids, "sampling_params": greedy},
-            )
-        ]
-        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-            answers = list(pool.map(server.generate, bodies))
-        assert [a["output_ids"] for a in answers] == [r["output_ids"] for r in reference for _ in range(2)]
+        prompts = many_prompts(4)
+        reference = [o["output_ids"] for o in run_all(qwen3_plain, prompts, 4, 24)]
+        _load_weights(server, build_tiny_model(tmp_path / "other", arch="qwen3", seed=1))
+        assert [o["output_ids"] for o in run_all(server, prompts, 4, 24)] != reference
+        _load_weights(server, tiny_qwen3_dir)
+        again = run_all(server, prompts, 4, 24)
+        assert [o["output_ids"] for o in again] == reference
+        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in again)
         assert server.healthy()
     finally:
         server.stop()
