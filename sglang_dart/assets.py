@@ -25,8 +25,9 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".sglang_dart_complete"
 # Bumped when the conversion's output changes, so that caches made before are converted again
-# (2: the tokenizer's decoder is plain byte-level, `_byte_level_decoder`).
-_CONVERSION = 2
+# (2: the tokenizer's decoder is plain byte-level, `_byte_level_decoder`; 3: the tokenizer knows the
+# model's context length).
+_CONVERSION = 3
 SHIPPED_SMOLLM2 = Path(__file__).parent / "shipped" / "smollm2-135m-instruct"
 
 
@@ -106,6 +107,9 @@ def _convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)
+    # The GGUF tokenizer has no model_max_length, so transformers puts 1e30 there, which SGLang's /tokenize
+    # returns and cannot encode in JSON (HTTP 500); the original tokenizer says the context length.
+    tokenizer.model_max_length = model.config.max_position_embeddings
     tokenizer.save_pretrained(out)
     _byte_level_decoder(out / "tokenizer.json")
 

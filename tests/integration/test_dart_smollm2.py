@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from sglang_dart.server_process import SglangServer
 from tests.support.dart_assets import build_random_drafter, build_store_for
@@ -56,6 +57,15 @@ def test_the_converted_smollm2_tokenizer_reads_as_byte_level_to_xgrammar(smollm2
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
     assert info.vocab_type == xgrammar.VocabType.BYTE_LEVEL
     assert tokenizer.decode(tokenizer(" a\nb  c")["input_ids"]) == " a\nb  c"
+    assert tokenizer.model_max_length == 8192  # the context length, not transformers' 1e30 (see /tokenize)
+
+
+def test_tokenize_answers_with_the_context_length(smollm2_dart):
+    """SGLang's /tokenize returns the tokenizer's model_max_length; the GGUF conversion left transformers'
+    1e30 there, which the JSON encoder refused (HTTP 500). The converted tokenizer says 8,192."""
+    resp = requests.post(f"{smollm2_dart.url}/tokenize", json={"prompt": "Hello world"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["max_model_len"] == 8192 and resp.json()["count"] == len(resp.json()["tokens"]) > 0
 
 
 @pytest.mark.parametrize("pattern", [r"(yes|no), [a-z]{3,10}\.", r"(yes|no)\n[a-z]{3,10}"])
