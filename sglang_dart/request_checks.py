@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+
 
 def refuse_ids_outside_the_vocabulary(input_ids: list[int] | None, vocab_size: int) -> None:
     """ValueError (SGLang answers it with HTTP 400) when an id is negative or not below `vocab_size`."""
@@ -36,8 +38,4 @@ def _check_request(
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
-        _check_request,
-        HookType.AFTER,
-    )
+    HookRegistry.register(TARGET, _check_request, HookType.AFTER)

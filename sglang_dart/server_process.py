@@ -136,6 +136,16 @@ class SglangClient:
                 )
             )
 
+    def update_weights_from_disk(
+        self, model_dir: Path | str, flush_cache: bool = True, timeout: float = 300.0
+    ) -> None:
+        """Load the weights in `model_dir` into the running model in place (SGLang's weight-update API)."""
+        body = {"model_path": str(model_dir), "flush_cache": flush_cache}
+        resp = requests.post(f"{self.url}/update_weights_from_disk", json=body, timeout=timeout)
+        resp.raise_for_status()
+        if not resp.json().get("success"):
+            raise ServerFailed(f"weight update from {model_dir} failed: {resp.json()}")
+
     def greedy_ids(self, input_ids: list[int], max_new_tokens: int, timeout: float = 300.0) -> list[int]:
         out = self.generate(
             {

@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import requests
@@ -34,6 +35,9 @@ from tests.support.dart_serving import (
 from tests.support.launcher_args import refusals
 from tests.support.prompts_many import many_prompts
 from tests.support.tiny_models import build_tiny_model
+
+if TYPE_CHECKING:
+    import torch
 
 pytestmark = pytest.mark.server
 
@@ -198,12 +202,11 @@ def test_context_chains_are_accepted_losslessly(qwen3_plain, qwen3_dart, variant
     assert steps(with_chains) < steps(without)
 
 
-def _embedding_rows(model_dir: Path, ids: list[int]) -> list[list[float]]:
+def _embedding_table(model_dir: Path) -> torch.Tensor:
     from safetensors import safe_open
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as weights:
-        table = weights.get_tensor("model.embed_tokens.weight")
-    return table[ids].float().tolist()
+        return weights.get_tensor("model.embed_tokens.weight").float()
 
 
 def test_input_embeds_prompts_beside_token_prompts(tiny_qwen3_dir, qwen3_plain, variant_servers):
@@ -218,11 +221,12 @@ def test_input_embeds_prompts_beside_token_prompts(tiny_qwen3_dir, qwen3_plain, 
     prompt_ids = [tokenizer(p)["input_ids"] for p in many_prompts(6)]
     greedy = {"max_new_tokens": 24, "temperature": 0.0}
     reference = [qwen3_plain.generate({"input_ids": ids, "sampling_params": greedy}) for ids in prompt_ids]
+    table = _embedding_table(tiny_qwen3_dir)
     bodies = [
         body
         for ids in prompt_ids
         for body in (
-            {"input_embeds": _embedding_rows(tiny_qwen3_dir, ids), "sampling_params": greedy},
+            {"input_embeds": table[ids].tolist(), "sampling_params": greedy},
             {"input_ids": ids, "sampling_params": greedy},
         )
     ]
@@ -230,14 +234,6 @@ def test_input_embeds_prompts_beside_token_prompts(tiny_qwen3_dir, qwen3_plain, 
         answers = list(pool.map(server.generate, bodies))
     assert [a["output_ids"] for a in answers] == [r["output_ids"] for r in reference for _ in range(2)]
     assert server.healthy()
-
-
-def _load_weights(server: SglangServer, model_dir: Path) -> None:
-    # No cache flush: the server runs without a radix cache (see test_packed_weights.py for why not).
-    body = {"model_path": str(model_dir), "flush_cache": False}
-    resp = requests.post(f"{server.url}/update_weights_from_disk", json=body, timeout=300)
-    resp.raise_for_status()
-    assert resp.json()["success"], resp.json()
 
 
 def test_weight_updates_reach_the_target_and_serving_goes_on(
@@ -251,9 +247,12 @@ def test_weight_updates_reach_the_target_and_serving_goes_on(
     try:
         prompts = many_prompts(4)
         reference = [o["output_ids"] for o in run_all(qwen3_plain, prompts, 4, 24)]
-        _load_weights(server, build_tiny_model(tmp_path / "other", arch="qwen3", seed=1))
+        # No cache flush: the server runs without a radix cache (see test_packed_weights.py for why not).
+        server.update_weights_from_disk(
+            build_tiny_model(tmp_path / "other", arch="qwen3", seed=1), flush_cache=False
+        )
         assert [o["output_ids"] for o in run_all(server, prompts, 4, 24)] != reference
-        _load_weights(server, tiny_qwen3_dir)
+        server.update_weights_from_disk(tiny_qwen3_dir, flush_cache=False)
         again = run_all(server, prompts, 4, 24)
         assert [o["output_ids"] for o in again] == reference
         assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in again)

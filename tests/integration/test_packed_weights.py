@@ -5,7 +5,6 @@ started on the new weights. Stale copies would mix the old linears with the new 
 from __future__ import annotations
 
 import pytest
-import requests
 
 from sglang_dart.cpu import skinny_gemm
 from sglang_dart.server_process import SglangServer, serving
@@ -28,10 +27,7 @@ def _load(server: SglangServer, model_dir: str) -> None:
     # No cache flush: the servers run without a radix cache, so nothing cached outlives the weights, and
     # SGLang asserts (and brings the server down) when the flush finds the last answered request still
     # in its running batch, which a loaded 2-core machine can make it do (seen once in the full suite).
-    body = {"model_path": model_dir, "flush_cache": False}
-    resp = requests.post(f"{server.url}/update_weights_from_disk", json=body, timeout=300)
-    resp.raise_for_status()
-    assert resp.json()["success"], resp.json()
+    server.update_weights_from_disk(model_dir, flush_cache=False)
 
 
 def test_weight_updates_reach_the_packed_products(tmp_path, server_logs):

@@ -61,14 +61,21 @@ def test_drafted_counts_are_the_trees_verified():
     assert other["spec_num_proposed_drafts"] == 70  # other algorithms keep SGLang's count
 
 
-def test_the_drafted_count_hook_targets_sglangs_method():
+def _assert_targets_a_method_of(target: str, cls: type) -> None:
+    module, name, method = target.rsplit(".", 2)
+    assert module == cls.__module__ and name == cls.__name__
+    assert callable(getattr(cls, method))
+
+
+def test_the_hooks_target_sglangs_methods():
+    from sglang.srt.managers.schedule_policy import PrefillAdder
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    from sglang_dart.spec_counts import TARGET
+    from sglang_dart import prefill_batches, request_checks, spec_counts
 
-    module, cls, method = TARGET.rsplit(".", 2)
-    assert module == TokenizerManager.__module__ and cls == TokenizerManager.__name__
-    assert callable(getattr(TokenizerManager, method))
+    _assert_targets_a_method_of(spec_counts.TARGET, TokenizerManager)
+    _assert_targets_a_method_of(request_checks.TARGET, TokenizerManager)
+    _assert_targets_a_method_of(prefill_batches.TARGET, PrefillAdder)
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_by_name():
@@ -84,15 +91,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name():
 def test_a_prefill_batch_takes_prompts_of_one_input_kind():
     """Once a batch holds a token prompt, an input_embeds prompt waits for the next batch (and the other
     way round); a prompt of the batch's kind goes to SGLang's own admission."""
-    from types import SimpleNamespace
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
-
-    from sglang_dart.prefill_batches import TARGET, one_input_kind_per_batch
-
-    module, cls, method = TARGET.rsplit(".", 2)
-    assert module == PrefillAdder.__module__ and cls == PrefillAdder.__name__
-    assert callable(getattr(PrefillAdder, method))
+    from sglang_dart.prefill_batches import one_input_kind_per_batch
 
     admitted = []
 
