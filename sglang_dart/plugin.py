@@ -113,20 +113,25 @@ def register_dart() -> None:
     gpu_contracts.install()  # what SGLang's own machinery must do for DART (backend, graphs, memory)
 
 
-def _spin_policy_from_server_args(_result, server_args, *_args, **_kwargs) -> None:  # noqa: ANN001
-    from sglang_dart.cpu import skinny_gemm
+def _cpu_policies_from_server_args(_result, server_args, *_args, **_kwargs) -> None:  # noqa: ANN001
+    from sglang_dart.cpu import idle_sleep, skinny_gemm
 
     skinny_gemm.keep_openmp_from_spinning(server_args.dtype)
+    idle_sleep.apply(server_args)
 
 
-def set_openmp_spinning_once_args_are_known() -> None:
-    """Whether torch's OpenMP workers may spin depends on the target's dtype, known only once the server
-    arguments are parsed: hook ServerArgs.__post_init__, which runs in the launching process (server and
-    Engine alike) before the scheduler processes are spawned."""
+def set_cpu_policies_once_args_are_known() -> None:
+    """Whether torch's OpenMP workers may spin depends on the target's dtype, and the idle sleeper is a
+    server argument: both are known only once the server arguments are parsed. Hook
+    ServerArgs.__post_init__, which runs in the launching process (server and Engine alike) before the
+    scheduler processes are spawned."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_dart.cpu import idle_sleep
+
+    idle_sleep.wanted()  # a bad value stops the launcher here, not inside ServerArgs
     HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs.__post_init__", _spin_policy_from_server_args, HookType.AFTER
+        "sglang.srt.server_args.ServerArgs.__post_init__", _cpu_policies_from_server_args, HookType.AFTER
     )
 
 
@@ -147,7 +152,7 @@ def register() -> None:
             skinny_gemm.install()
             rowwise_ops.install()
             rust_attention.install()
-            set_openmp_spinning_once_args_are_known()
+            set_cpu_policies_once_args_are_known()
             small_step_threads.install()
             gemm_tuning.install()
         except ValueError as err:

@@ -19,9 +19,9 @@ from pathlib import Path
 import requests
 
 # A small KV pool: SGLang would otherwise size it from free RAM (16 GB here), which takes half a minute.
-# --sleep-on-idle: an idle scheduler otherwise busy-polls a whole core; with two servers on a 2-core machine
-# that made the busy one ~9x slower (1.4 vs 13 tok/s, SmolLM2 float32).
-CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "32768", "--sleep-on-idle"]
+# No --sleep-on-idle: the plugin turns SGLang's idle sleeper on for every CPU-engine server
+# (`sglang_dart.cpu.idle_sleep`), so these servers idle like a user's.
+CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "32768"]
 
 
 def default_device_args() -> list[str]:
@@ -35,7 +35,7 @@ def default_device_args() -> list[str]:
 def default_engine_kwargs() -> dict[str, object]:
     """`sglang.Engine` keyword arguments equivalent to `default_device_args()`."""
     flags = default_device_args()
-    return {"device": "cpu", "max_total_tokens": 32768, "sleep_on_idle": True} if flags else {}
+    return {"device": "cpu", "max_total_tokens": 32768} if flags else {}
 
 
 def device_flag() -> list[str]:

@@ -32,6 +32,7 @@ from tests.support.dart_serving import (
     dart_server_args,
     run_all,
 )
+from tests.support.idle_cpu import SLEEPING_AT_MOST, idle_scheduler_cores
 from tests.support.launcher_args import refusals
 from tests.support.prompts_many import many_prompts
 from tests.support.tiny_models import build_tiny_model
@@ -440,6 +441,16 @@ def test_openmp_spinning_is_off_for_a_float32_target(qwen3_dart):
     if "GOMP_SPINCOUNT" in os.environ:
         pytest.skip("GOMP_SPINCOUNT is set for the test run; the launcher keeps a value the user sets")
     assert "Rust few-row linears on; GOMP_SPINCOUNT=0" in qwen3_dart.log_text()
+
+
+def test_an_idle_dart_server_sleeps_instead_of_polling(qwen3_dart):
+    """Nothing in the DART worker keeps an idle server's scheduler busy (SGLang's idle sleeper is on)."""
+    request = {
+        "text": "idle after this",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
+    assert qwen3_dart.generate(request)["meta_info"]["completion_tokens"] == 8
+    assert idle_scheduler_cores(qwen3_dart) < SLEEPING_AT_MOST
 
 
 def test_root_only_steps_are_plain_decoding(qwen3_plain, variant_servers):

@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from sglang_dart.server_process import SglangServer
+from tests.support.idle_cpu import SLEEPING_AT_MOST, idle_scheduler_cores
 
 pytestmark = pytest.mark.server
 
@@ -95,6 +96,15 @@ def test_frontend_program(tiny_server):
     state = complete.run(prefix="def add(a, b):", backend=backend)
     direct = _greedy(tiny_server, "def add(a, b):", 12)
     assert state["answer"] == direct["text"]
+
+
+def test_an_idle_server_sleeps_instead_of_polling(tiny_server):
+    """Launched without --sleep-on-idle (as a user would), a CPU server's scheduler waits for requests
+    instead of polling a core (the plugin turns SGLang's idle sleeper on), and still answers at once."""
+    assert "--sleep-on-idle" not in tiny_server.command()
+    assert idle_scheduler_cores(tiny_server) < SLEEPING_AT_MOST
+    request = {"text": "def wake(up):", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    assert tiny_server.generate(request)["meta_info"]["completion_tokens"] == 4
 
 
 @pytest.mark.standalone

@@ -1,4 +1,4 @@
-"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The seven launches
+"""Bad server arguments end the launcher with SGLang's own clear error, never a hang. The eight launches
 run side by side (each is mostly single-threaded imports) in one module fixture; each test reads its own."""
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def refused_launches(tiny_llama_dir, tmp_path_factory) -> dict[str, subprocess.C
         "bad attention setting": (
             [str(tiny_llama_dir), "--device", "cpu"],
             {"SGLANG_DART_CPU_ATTENTION": "sdpa"},
+        ),
+        "bad idle setting": (
+            [str(tiny_llama_dir), "--device", "cpu"],
+            {"SGLANG_DART_SLEEP_ON_IDLE": "yes"},
         ),
     }
     with ThreadPoolExecutor(max_workers=len(launches)) as pool:
@@ -79,3 +83,8 @@ def test_bad_row_wise_setting_stops_the_launcher(refused_launches):
 
 def test_bad_attention_setting_stops_the_launcher(refused_launches):
     _refused_naming(refused_launches["bad attention setting"], "SGLANG_DART_CPU_ATTENTION='sdpa'")
+
+
+def test_bad_idle_sleep_setting_stops_the_launcher(refused_launches):
+    message = "SGLANG_DART_SLEEP_ON_IDLE must be 0 or 1, not 'yes'"
+    _refused_naming(refused_launches["bad idle setting"], message)
