@@ -10,7 +10,10 @@ tree.
 
 It takes the forwards of few queries a request (decode, tree verify: up to `MAX_QUERIES`) whose new keys
 are already in the pool, in float32 or bf16, without a logit cap; prefill chunks and everything else stay
-with torch. Active on the CPU engine once `install()` ran (the plugin does);
+with torch. An fp8 KV pool (`--kv-cache-dtype fp8_e5m2/fp8_e4m3`) is read through a copy of the rows the
+plan names, widened to the queries' dtype (exactly: every fp8 value is a bf16 value): torch's SDPA would
+give a token another result decoded alone than verified in a tree or batched with others.
+Active on the CPU engine once `install()` ran (the plugin does);
 `SGLANG_DART_CPU_ATTENTION=torch` keeps torch's SDPA.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from sglang_dart import _core
@@ -36,6 +40,8 @@ CHOICES = ("rust", "torch")
 MAX_QUERIES = 32
 
 _KERNELS = {torch.float32: _core.attend_f32, torch.bfloat16: _core.attend_bf16}
+# KV pool dtypes read through a widened copy of the rows a plan names (`_widened_rows`).
+_FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
 _active = False
 
 
@@ -65,13 +71,14 @@ def applies(
     plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logit_cap: float
 ) -> bool:
     """Whether this layer's attention goes to Rust: installed, CPU tensors of one dtype the kernel takes
-    (the pool's contiguous), few queries a request, new keys in the pool (the plan has key_loc), no logit
-    cap, no gradient."""
+    (or a pool in fp8), the pool's contiguous, few queries a request, new keys in the pool (the plan has
+    key_loc), no logit cap, no gradient."""
     return (
         _active
         and q.is_cpu
         and q.dtype in _KERNELS
-        and k_cache.dtype == q.dtype == v_cache.dtype
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in (q.dtype, *_FP8)
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and plan.key_loc is not None
@@ -94,6 +101,8 @@ def attend(
     key_loc, mask, query_row, query_valid = plan.host_arrays
     if sliding_window is not None and sliding_window > -1:
         mask = plan.windowed_mask(sliding_window).numpy()
+    if k_cache.dtype != q.dtype:
+        key_loc, k_cache, v_cache = _widened_rows(key_loc, k_cache, v_cache, q.dtype)
     rows, heads = q.shape[0], q.shape[1]
     # Rows no query slot names (a plan whose requests have fewer queries than rows) stay zero.
     covered = plan.dense and rows == query_row.size
@@ -110,3 +119,12 @@ def attend(
         numpy_view(out),
     )
     return out
+
+
+def _widened_rows(
+    key_loc: np.ndarray, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """The pool rows `key_loc` names, in `dtype`, as a pool of their own, and the key_loc that reads it."""
+    slots = torch.from_numpy(key_loc).reshape(-1)
+    own_loc = np.arange(slots.numel(), dtype=np.int64).reshape(key_loc.shape)
+    return own_loc, k_cache[slots].to(dtype), v_cache[slots].to(dtype)

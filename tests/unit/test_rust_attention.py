@@ -66,16 +66,28 @@ def test_sliding_window(rust_on):
     assert_matches(got, case.reference(sliding_window=6))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype):
+FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize(
+    "dtype, pool_dtype",
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        *((torch.bfloat16, f) for f in FP8),
+        (torch.float32, FP8[0]),
+    ],
+)
+def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype, pool_dtype):
     """Each node of a verified tree gets the bits it gets when decoded alone after its ancestors: the
-    keys it sees sit at other columns there, and nothing else is in the batch."""
+    keys it sees sit at other columns there, and nothing else is in the batch. Also with an fp8 KV pool
+    (`--kv-cache-dtype fp8_*`), where torch's SDPA gave the two other results."""
     rng = random.Random(7)
     prefix, n, heads, kv_heads, dim = 50, 8, 9, 3, 64
     g = torch.Generator().manual_seed(7)
     slots = 4 * (prefix + n)
-    k_cache = torch.randn((slots, kv_heads, dim), generator=g).to(dtype)
-    v_cache = torch.randn((slots, kv_heads, dim), generator=g).to(dtype)
+    k_cache = torch.randn((slots, kv_heads, dim), generator=g).to(pool_dtype or dtype)
+    v_cache = torch.randn((slots, kv_heads, dim), generator=g).to(pool_dtype or dtype)
     q = torch.randn((n, heads, dim), generator=g).to(dtype)
     tree = random_tree_mask(rng, n)
     req_to_token = torch.randperm(slots, generator=g)[: prefix + n].view(1, -1).to(torch.int32)
@@ -98,6 +110,33 @@ def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype):
         )
         alone = attend(decode_plan, q[node : node + 1], None, None, k_cache, v_cache, 0.125)
         assert torch.equal(alone[0], verified[node]), f"node {node}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dtype", FP8)
+def test_an_fp8_pool_reads_as_its_values_widened(rust_on, dtype, pool_dtype):
+    """An fp8 pool gives the bits the same values give in a pool of the queries' dtype (every fp8 value
+    is one), through the Rust kernel, and matches the definition."""
+    case = Case([12, 3, 40, 7], [8, 3, 5, 1], seed=11, heads=9, kv_heads=3, head_dim=64)
+    full = case.use_random_trees()[0]
+    plan = make_plan(
+        case.req_to_token,
+        case.req_pool_indices,
+        torch.tensor([12, 3, 40, 7]),
+        torch.tensor([8, 3, 5, 1]),
+        full,
+        torch.zeros(17, dtype=torch.int64),
+    )
+    q = case.q.to(dtype)
+    k8, v8 = case.k_cache.to(pool_dtype), case.v_cache.to(pool_dtype)
+    assert rust_attention.applies(plan, q, k8, v8, 0.0)
+    got = attend(plan, q, None, None, k8, v8, 0.125)
+    widened = attend(plan, q, None, None, k8.to(dtype), v8.to(dtype), 0.125)
+    assert torch.equal(got, widened)
+    rust_attention.uninstall()
+    by_torch = attend(plan, q, None, None, k8, v8, 0.125)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), by_torch.float(), atol=tol, rtol=tol)
 
 
 def test_forwards_it_does_not_take_stay_with_torch(rust_on):
