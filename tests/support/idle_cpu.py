@@ -9,7 +9,7 @@ import psutil
 
 from sglang_dart.server_process import SglangServer
 
-# A polling scheduler measured 1.01 cores idle, a sleeping one 0.02 (SmolLM2, AVX512-BF16 EPYC).
+# A polling scheduler measured 1.01 cores idle, a sleeping one 0.02 (SmolLM2, a 2-core AVX2-only EPYC).
 SLEEPING_AT_MOST = 0.25
 
 
