@@ -16,10 +16,9 @@ SLEEPING_AT_MOST = 0.25
 def idle_scheduler_cores(server: SglangServer, seconds: float = 4.0) -> float:
     """Cores' worth of CPU time the server's scheduler processes use over `seconds` without requests."""
     assert server.proc is not None and server.alive(), "the server is not running"
-    launcher = psutil.Process(server.proc.pid)
-    schedulers = [p for p in launcher.children(recursive=True) if p.name().startswith("sglang::sched")]
-    names = [p.name() for p in launcher.children(recursive=True)]
-    assert schedulers, f"no scheduler process under the launcher, only {names}"
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    schedulers = [p for p in children if p.name().startswith("sglang::sched")]
+    assert schedulers, f"no scheduler process under the launcher, only {[p.name() for p in children]}"
     time.sleep(1.0)  # let the last request's step and the idle housekeeping finish
 
     def used() -> float:
