@@ -9,10 +9,12 @@ query's result from its own row alone, so a token attends bit-identically decode
 tree.
 
 It takes the forwards of few queries a request (decode, tree verify: up to `MAX_QUERIES`) whose new keys
-are already in the pool, in float32 or bf16, without a logit cap; prefill chunks and everything else stay
-with torch. An fp8 KV pool (`--kv-cache-dtype fp8_e5m2/fp8_e4m3`) is read through a copy of the rows the
-plan names, widened to the queries' dtype (exactly: every fp8 value is a bf16 value): torch's SDPA would
-give a token another result decoded alone than verified in a tree or batched with others.
+are already in the pool, in float32, bf16 or float16, without a logit cap; prefill chunks and everything
+else stay with torch. An fp8 KV pool (`--kv-cache-dtype fp8_e5m2/fp8_e4m3`) is read through a copy of
+the rows the plan names, widened to the queries' dtype (exactly: every fp8 value is a bf16 value):
+torch's SDPA would give a token another result decoded alone than verified in a tree or batched with
+others. A float16 target (no kernel of its own) is computed in float32 from its widened queries and rows,
+rounded back once.
 Active on the CPU engine once `install()` ran (the plugin does);
 `SGLANG_DART_CPU_ATTENTION=torch` keeps torch's SDPA.
 """
@@ -42,6 +44,9 @@ MAX_QUERIES = 32
 _KERNELS = {torch.float32: _core.attend_f32, torch.bfloat16: _core.attend_bf16}
 # KV pool dtypes read through a widened copy of the rows a plan names (`_widened_rows`).
 _FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
+# Query dtypes the kernels do not take, computed in the one that holds them exactly (the pool's rows are
+# widened likewise) and rounded back once at the end.
+_WIDER = {torch.float16: torch.float32}
 _active = False
 
 
@@ -76,7 +81,7 @@ def applies(
     return (
         _active
         and q.is_cpu
-        and q.dtype in _KERNELS
+        and (q.dtype in _KERNELS or q.dtype in _WIDER)
         and k_cache.dtype == v_cache.dtype
         and k_cache.dtype in (q.dtype, *_FP8)
         and k_cache.is_contiguous()
@@ -101,14 +106,15 @@ def attend(
     key_loc, mask, query_row, query_valid = plan.host_arrays
     if sliding_window is not None and sliding_window > -1:
         mask = plan.windowed_mask(sliding_window).numpy()
-    if k_cache.dtype != q.dtype:
-        key_loc, k_cache, v_cache = _widened_rows(key_loc, k_cache, v_cache, q.dtype)
+    dtype = _WIDER.get(q.dtype, q.dtype)
+    if k_cache.dtype != dtype:
+        key_loc, k_cache, v_cache = _widened_rows(key_loc, k_cache, v_cache, dtype)
     rows, heads = q.shape[0], q.shape[1]
     # Rows no query slot names (a plan whose requests have fewer queries than rows) stay zero.
     covered = plan.dense and rows == query_row.size
-    out = (torch.empty if covered else torch.zeros)((rows, heads, v_cache.shape[-1]), dtype=q.dtype)
-    _KERNELS[q.dtype](
-        numpy_view(q.contiguous()),
+    out = (torch.empty if covered else torch.zeros)((rows, heads, v_cache.shape[-1]), dtype=dtype)
+    _KERNELS[dtype](
+        numpy_view(q.to(dtype).contiguous()),
         numpy_view(k_cache),
         numpy_view(v_cache),
         key_loc,
@@ -118,7 +124,7 @@ def attend(
         scaling,
         numpy_view(out),
     )
-    return out
+    return out.to(q.dtype)
 
 
 def _widened_rows(

@@ -69,9 +69,12 @@ from sglang_dart.dart.settings import (
     candidates_per_depth,
     check_draft_architecture,
     context_nodes,
+    cpu_has_amx_bf16,
+    cpu_has_avx512_bf16,
     draft_graphs_choice,
     pruner_config,
     refuse_larger_store_vocabulary,
+    slow_half_precision_hint,
     tree_size_schedule,
 )
 from sglang_dart.dart.tree_sizes import PlannedSize
@@ -140,6 +143,11 @@ class DartWorker(NGRAMWorker):
         self._check_store(target_worker.tokenizer, vocab)
         self.tree_sizes = tree_size_schedule(server_args, self.model_runner.dtype)
         logger.info("DART tree size by batch size: %s", self.tree_sizes.describe())
+        hint = slow_half_precision_hint(
+            self.device, str(self.model_runner.dtype), cpu_has_amx_bf16(), cpu_has_avx512_bf16()
+        )
+        if hint:
+            logger.warning(hint)
         self.step_clock = StepClock()  # step times for an adaptive schedule
         self._planned: PlannedSize | None = None  # chosen when the step before drafted (or did not)
         self._step_probe = False  # whether the running step is a probe its schedule planned

@@ -441,7 +441,8 @@ def test_chunked_prefill_and_stop_strings(qwen3_plain, variant_servers):
 def test_default_tree_sizes_follow_the_loaded_dtype(variant_servers):
     """With no schedule set, the worker picks the CPU default from the dtype the target was loaded in, not
     from --dtype: a model whose config says bf16, served with --dtype auto, gets `cpu-amx`'s schedule on a
-    CPU with AMX tiles, `cpu-avx512-bf16`'s on one with AVX512-BF16 only (the plain CPU one elsewhere)."""
+    CPU with AMX tiles, `cpu-avx512-bf16`'s on one with AVX512-BF16 only (the plain CPU one elsewhere,
+    with a hint that float32 serves DART faster there)."""
     from sglang_dart.dart.adaptive_sizes import GuardedTreeSizes
     from sglang_dart.dart.settings import cpu_has_amx_bf16, cpu_has_avx512_bf16
     from sglang_dart.dart.tree_sizes import default_schedule, default_schedule_key
@@ -462,6 +463,10 @@ def test_default_tree_sizes_follow_the_loaded_dtype(variant_servers):
 
     linears = "on" if bf16_kernel_pays() else "off"
     assert f"Rust few-row linears {linears}; GOMP_SPINCOUNT unset" in log
+    # Where bf16 products are emulated (no AMX, no AVX512-BF16) the log says float32 serves DART faster.
+    from sglang_dart.dart.settings import fast_dtype_here
+
+    assert ("--dtype float32 is where DART speeds decoding up" in log) == (fast_dtype_here() == "float32")
 
 
 def test_openmp_spinning_is_off_for_a_float32_target(qwen3_dart):

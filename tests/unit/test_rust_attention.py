@@ -17,7 +17,7 @@ from sglang_dart.cpu import rust_attention
 from tests.support.tree_masks import random_tree_mask
 from tests.unit.test_tree_attention import Case, assert_matches
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def rust_on(monkeypatch):
     rust_attention.uninstall()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "prefix_lens, query_lens, tree",
     [
@@ -76,12 +76,15 @@ FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
         (torch.bfloat16, None),
         *((torch.bfloat16, f) for f in FP8),
         (torch.float32, FP8[0]),
+        (torch.float16, None),
+        (torch.float16, FP8[1]),
     ],
 )
 def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype, pool_dtype):
     """Each node of a verified tree gets the bits it gets when decoded alone after its ancestors: the
     keys it sees sit at other columns there, and nothing else is in the batch. Also with an fp8 KV pool
-    (`--kv-cache-dtype fp8_*`), where torch's SDPA gave the two other results."""
+    (`--kv-cache-dtype fp8_*`) or in float16 (a float32 checkpoint under SGLang's `--dtype auto` on a
+    CPU), where torch's SDPA gave the two other results."""
     rng = random.Random(7)
     prefix, n, heads, kv_heads, dim = 50, 8, 9, 3, 64
     g = torch.Generator().manual_seed(7)
@@ -112,7 +115,7 @@ def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype, pool_dty
         assert torch.equal(alone[0], verified[node]), f"node {node}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pool_dtype", FP8)
 def test_an_fp8_pool_reads_as_its_values_widened(rust_on, dtype, pool_dtype):
     """An fp8 pool gives the bits the same values give in a pool of the queries' dtype (every fp8 value
@@ -153,7 +156,12 @@ def test_forwards_it_does_not_take_stay_with_torch(rust_on):
     )
     assert rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 0.0)
     assert not rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 30.0)  # logit cap
-    assert not rust_attention.applies(plan, short.q.half(), short.k_cache.half(), short.v_cache.half(), 0.0)
+    assert not rust_attention.applies(
+        plan, short.q.double(), short.k_cache.double(), short.v_cache.double(), 0.0
+    )
+    assert not rust_attention.applies(
+        plan, short.q.half(), short.k_cache.bfloat16(), short.v_cache.bfloat16(), 0.0
+    )
     no_loc = make_plan(short.req_to_token, short.req_pool_indices, torch.tensor([10]), torch.tensor([2]))
     assert not rust_attention.applies(no_loc, short.q, short.k_cache, short.v_cache, 0.0)
     rust_attention.uninstall()

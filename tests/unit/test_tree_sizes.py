@@ -101,6 +101,16 @@ def test_bf16_targets_on_avx512_bf16_cpus_without_amx_get_their_own_default():
     assert [schedule.size_for(bs) for bs in (1, 2, 3, 4, 16, 31, 32, 64)] == [8, 4, 4, 2, 2, 2, 1, 1]
 
 
+def test_half_precision_on_a_cpu_without_bf16_instructions_gets_a_hint():
+    hint = settings.slow_half_precision_hint
+    for dtype in ("torch.bfloat16", "torch.float16"):
+        assert "--dtype float32" in hint("cpu", dtype, cpu_has_amx=False, cpu_has_avx512_bf16=False)
+        assert hint("cpu", dtype, cpu_has_amx=True, cpu_has_avx512_bf16=False) is None
+        assert hint("cpu", dtype, cpu_has_amx=False, cpu_has_avx512_bf16=True) is None
+        assert hint("cuda", dtype, cpu_has_amx=False, cpu_has_avx512_bf16=False) is None
+    assert hint("cpu", "torch.float32", cpu_has_amx=False, cpu_has_avx512_bf16=False) is None
+
+
 def test_the_fast_dtype_is_bf16_only_where_bf16_products_are_native():
     assert settings.fast_dtype("cpu", cpu_has_amx=True, cpu_has_avx512_bf16=False) == "bfloat16"
     assert settings.fast_dtype("cpu", cpu_has_amx=False, cpu_has_avx512_bf16=True) == "bfloat16"
