@@ -81,7 +81,7 @@ def applies(
     return (
         _active
         and q.is_cpu
-        and (q.dtype in _KERNELS or q.dtype in _WIDER)
+        and _kernel_dtype(q.dtype) in _KERNELS
         and k_cache.dtype == v_cache.dtype
         and k_cache.dtype in (q.dtype, *_FP8)
         and k_cache.is_contiguous()
@@ -106,7 +106,7 @@ def attend(
     key_loc, mask, query_row, query_valid = plan.host_arrays
     if sliding_window is not None and sliding_window > -1:
         mask = plan.windowed_mask(sliding_window).numpy()
-    dtype = _WIDER.get(q.dtype, q.dtype)
+    dtype = _kernel_dtype(q.dtype)
     if k_cache.dtype != dtype:
         key_loc, k_cache, v_cache = _widened_rows(key_loc, k_cache, v_cache, dtype)
     rows, heads = q.shape[0], q.shape[1]
@@ -125,6 +125,11 @@ def attend(
         numpy_view(out),
     )
     return out.to(q.dtype)
+
+
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel computes queries of `dtype` in: their own, or the one `_WIDER` names."""
+    return _WIDER.get(dtype, dtype)
 
 
 def _widened_rows(
