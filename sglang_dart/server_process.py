@@ -179,10 +179,16 @@ class SglangServer(SglangClient):
     def _choose_ports(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # SGLang's own choice of rendezvous port comes from the ephemeral range (see free_port)
+        # SGLang's own choice of rendezvous port comes from the ephemeral range (see free_port). Data-parallel
+        # replicas each need one of their own and a given --nccl-port would be shared, so SGLang picks those.
         self.nccl_port = None
-        while "--nccl-port" not in self.args and self.nccl_port in (None, self.port):
+        pick = "--nccl-port" not in self.args and not self._data_parallel()
+        while pick and self.nccl_port in (None, self.port):
             self.nccl_port = free_port()
+
+    def _data_parallel(self) -> bool:
+        at = self.args.index("--dp-size") + 1 if "--dp-size" in self.args else 0
+        return at > 0 and at < len(self.args) and self.args[at] != "1"
 
     def command(self) -> list[str]:
         return [

@@ -322,7 +322,6 @@ def validate_server_args(server_args: Any) -> None:
     for name, ok in (
         ("--tp-size > 1", server_args.tp_size == 1),
         ("--pp-size > 1", server_args.pp_size == 1),
-        ("--dp-size > 1", server_args.dp_size == 1),
         ("--page-size > 1", (server_args.page_size or 1) == 1),
         ("--enable-dp-attention", not server_args.enable_dp_attention),
         # its target forward returns the drafter's taps, not the hidden states a request asks for

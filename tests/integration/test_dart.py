@@ -115,13 +115,15 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
             "qwen3-bf16-default-sizes",
         ),
         "root-only": (tiny_qwen3_dir, base, {TREE_SIZES_ENV: "1:1"}, "qwen3-root-only"),
+        # Two schedulers, each with a DART worker of its own (SGLang's data-parallel replicas).
+        "data-parallel": (tiny_qwen3_dir, [*base, "--dp-size", "2"], {}, "qwen3-dart-dp2"),
     }
 
 
 # Started in groups at the first use of one of them (the last test to use one stops it): a start-up is
 # mostly single-threaded imports, and two or three side by side took 33-36 s a server on 2 cores against
 # 47 s one at a time; five together took 51 s a server.
-VARIANT_GROUPS = [("no-chains", "reentry"), ("bf16-default-sizes", "root-only")]
+VARIANT_GROUPS = [("no-chains", "reentry"), ("bf16-default-sizes", "root-only", "data-parallel")]
 
 
 @pytest.fixture(scope="module")
@@ -519,6 +521,24 @@ def test_root_only_steps_are_plain_decoding(qwen3_plain, variant_servers):
         assert server.healthy()
     finally:
         server.stop()
+
+
+def test_data_parallel_replicas_keep_greedy_output_equal_to_plain(qwen3_reference, variant_servers):
+    """With --dp-size 2 SGLang runs two schedulers behind one server and hands them requests in turn; each
+    loads its own DART worker, drafter and KV pools, and every answer is plain's."""
+    prompts, reference = qwen3_reference
+    server = variant_servers("data-parallel")
+    try:
+        speculative = run_all(server, prompts[:24], 8)
+        log = server.log_text()
+    finally:
+        server.stop()
+    for prompt, spec, ref in zip(prompts, speculative, reference, strict=False):
+        assert spec["output_ids"] == ref, prompt
+        assert spec["meta_info"]["spec_verify_ct"] > 0
+    for rank in (0, 1):  # both replicas built a DART worker and served requests (each one speculated)
+        assert f"DP{rank}] DART tree size by batch size" in log
+        assert f"DP{rank}] Prefill batch" in log
 
 
 def _dart_argv(model: Path, draft: Path | None, store: Path | None, extra: list[str] = ()) -> list[str]:
