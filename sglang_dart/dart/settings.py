@@ -28,6 +28,7 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +45,8 @@ from sglang_dart.dart.tree_sizes import (
 from sglang_dart.drafter import DraftConfig, DraftConfigError
 from sglang_dart.drafter.config import DART_ARCHITECTURE
 from sglang_dart.pruner import PrunerConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_DRAFT_TOKENS = 16
 # Candidates per depth. 16 over 8: +0.9-2.7% tokens per step with trees of 16, level (-1.1 to +1.1%) with
@@ -288,6 +291,21 @@ def refuse_larger_store_vocabulary(store_vocab_size: int, target_vocab_size: int
         )
 
 
+def keep_the_drafter_unquantized(server_args: Any) -> None:
+    """SGLang gives the draft model the target's --quantization unless told otherwise; DART's one-layer
+    drafter runs unquantized (in the target's activation dtype), so a quantized target serves with it as is.
+    A quantization asked for the drafter alone is refused by name."""
+    asked = server_args.speculative_draft_model_quantization
+    if asked is None:
+        return
+    if asked != server_args.quantization:
+        raise DartArgsError(
+            f"DART's draft layer runs unquantized: drop --speculative-draft-model-quantization {asked}"
+        )
+    server_args.speculative_draft_model_quantization = None
+    logger.info("DART: the drafter runs unquantized beside the %s target", asked)
+
+
 def validate_server_args(server_args: Any) -> None:
     """Fill DART's defaults into the stock flags and refuse what DART cannot run with, naming it."""
     from sglang_dart.ngram import NgramFormatError, NgramStore
@@ -319,6 +337,13 @@ def validate_server_args(server_args: Any) -> None:
             "DART verifies its trees itself (greedy, or one target draw per node, which keeps the target's "
             "distribution): drop --speculative-use-rejection-sampling"
         )
+    keep_the_drafter_unquantized(server_args)
+    for flag, given, why in (
+        ("--speculative-token-map", server_args.speculative_token_map, "its checkpoint maps its vocabulary"),
+        ("--enable-multi-layer-eagle", server_args.enable_multi_layer_eagle, "its drafter is one layer"),
+    ):
+        if given:
+            raise DartArgsError(f"DART has no use for {flag} ({why}): drop it")
     for name, ok in (
         ("--tp-size > 1", server_args.tp_size == 1),
         ("--pp-size > 1", server_args.pp_size == 1),

@@ -317,6 +317,11 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
 def check_embedding(embed_tokens: torch.Tensor, target_hidden_size: int, target_vocab_size: int) -> None:
     if embed_tokens.shape != (target_vocab_size, target_hidden_size):
         raise DraftConfigError(f"target embedding table has shape {tuple(embed_tokens.shape)}")
+    # The drafter embeds its inputs with the target's table: a quantized one would need its dequantizer.
+    if embed_tokens.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise DraftConfigError(
+            f"target embedding table is {embed_tokens.dtype}; DART reads it as is, in 16 or 32 bits"
+        )
 
 
 def load_drafter(

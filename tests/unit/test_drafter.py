@@ -202,6 +202,14 @@ def test_mismatched_checkpoints_fail_clearly(tmp_path, kwargs, target, message):
         load_drafter(ckpt, torch.zeros(target[1], target[0]), target[0], target[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_quantized_target_embedding_is_refused_by_name(tmp_path, dtype):
+    """The drafter embeds its inputs with the target's table as is: a quantized one would give garbage."""
+    ckpt = _write_checkpoint(tmp_path / "draft")
+    with pytest.raises(DraftConfigError, match=f"target embedding table is {dtype}"):
+        load_drafter(ckpt, torch.zeros(V, H).to(dtype), H, V)
+
+
 def test_missing_and_corrupt_files(tmp_path):
     with pytest.raises(DraftConfigError, match="no config.json"):
         load_drafter(tmp_path, _embedding(), H, V)

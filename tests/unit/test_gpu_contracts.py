@@ -110,6 +110,23 @@ def test_rejection_sampling_is_refused_by_name(assets):
         _cuda_server_args(assets, speculative_use_rejection_sampling=True)
 
 
+def test_a_quantized_target_serves_with_an_unquantized_drafter(assets):
+    """SGLang hands the draft model the target's --quantization; DART's draft layer refused any, so a fp8
+    target stopped the server at the draft load, after the target had loaded."""
+    args = _cuda_server_args(assets, quantization="fp8")
+    assert args.quantization == "fp8" and args.speculative_draft_model_quantization is None
+    with pytest.raises(DartArgsError, match="drop --speculative-draft-model-quantization fp8"):
+        _cuda_server_args(assets, speculative_draft_model_quantization="fp8")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("speculative_token_map", "hot_tokens.pt"), ("enable_multi_layer_eagle", True)]
+)
+def test_other_drafters_flags_are_refused_not_ignored(assets, flag, value):
+    with pytest.raises(DartArgsError, match="DART has no use for --" + flag.replace("_", "-")):
+        _cuda_server_args(assets, **{flag: value})
+
+
 def test_the_target_captures_the_taps_before_its_graphs(assets):
     """The model runner resolves which hidden states to capture before it captures CUDA graphs (and calls
     set_eagle3_layers_to_capture from it); DART's taps must be on by then."""
