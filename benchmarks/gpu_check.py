@@ -331,6 +331,21 @@ def _seeded_sampling(args: argparse.Namespace, common: list[str], dart_args: lis
         _stop(servers)
 
 
+def _fp8_target(args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict) -> None:
+    """An fp8 target (SGLang's online --quantization fp8, a GPU option): DART serves it with its drafter
+    unquantized, and greedy output against plain fp8 decoding is reported (bf16 activations: near-ties)."""
+    fp8 = common + ["--quantization", "fp8"]
+    greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
+    prompts = _chat_ids(args.model, 16)
+    servers = _servers_side_by_side({"plain-fp8": fp8, "dart-fp8": fp8 + dart_args}, args, report)
+    try:
+        outs = {name: _run(s, prompts, greedy, 4)[0] for name, s in servers.items()}
+        report["fp8_target_greedy_parity"] = _parity(outs["plain-fp8"], outs["dart-fp8"])
+        report["fp8_target_tau"] = _tau(outs["dart-fp8"])
+    finally:
+        _stop(servers)
+
+
 def _stage(name: str, report: dict, args: argparse.Namespace, fn, *fn_args) -> None:  # noqa: ANN001
     """Run one check; a failure is recorded in the report (with its traceback) and the next check runs."""
     import traceback
@@ -373,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--checks", nargs="+", default=["greedy", "seeded"],
-                        choices=["greedy", "float32", "seeded"])  # fmt: skip
+                        choices=["greedy", "float32", "seeded", "fp8-target"])  # fmt: skip
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=Path("gpu-check"))
     args = parser.parse_args(argv)
@@ -403,10 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     _save(args, report)
     import torch
 
-    checks = {"greedy": _greedy_and_timings, "float32": _float32_parity, "seeded": _seeded_sampling}
+    checks = {"greedy": _greedy_and_timings, "float32": _float32_parity, "seeded": _seeded_sampling,
+              "fp8-target": _fp8_target}  # fmt: skip
     for name in args.checks:
-        if name == "seeded" and not torch.cuda.is_available():
-            report["seeded_sampling_parity"] = "skipped: no CUDA device"
+        gpu_only = {"seeded": "seeded_sampling_parity", "fp8-target": "fp8_target_greedy_parity"}
+        if name in gpu_only and not torch.cuda.is_available():
+            report[gpu_only[name]] = "skipped: no CUDA device"
             continue
         _stage(name, report, args, checks[name], args, common, dart_args)
     return _finish(args, report)
@@ -445,6 +462,8 @@ def _finish(args: argparse.Namespace, report: dict) -> int:
         "float32_margins_at_differences",
         "float32_tau",
         "seeded_sampling_parity",
+        "fp8_target_greedy_parity",
+        "fp8_target_tau",
         "errors",
     )
     print(json.dumps({k: report[k] for k in summary if k in report}, indent=2)[:6000])
