@@ -286,6 +286,32 @@ def _drop_optional(servers: dict[str, SglangServer], report: dict, name: str, ex
     print(f"{name} failed ({exc!r}); going on without it", flush=True)
 
 
+def _greedy_parity(
+    args: argparse.Namespace,
+    label: str,
+    flags: list[str],
+    dart_args: list[str],
+    report: dict,
+    prompts: int,
+    concurrency: int,
+    more=None,  # noqa: ANN001 - more(plain server, prompts, plain outputs, DART outputs), while both are up
+) -> None:
+    """A plain and a DART server on `flags`, side by side: greedy outputs on `prompts` chat prompts, reported
+    as `{label}_greedy_parity` and DART's `{label}_tau`."""
+    greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
+    ids = _chat_ids(args.model, prompts)
+    plain, dart = f"plain-{label}", f"dart-{label}"
+    servers = _servers_side_by_side({plain: flags, dart: flags + dart_args}, args, report)
+    try:
+        outs = {name: _run(s, ids, greedy, concurrency)[0] for name, s in servers.items()}
+        report[f"{label}_greedy_parity"] = _parity(outs[plain], outs[dart])
+        if more is not None:
+            more(servers[plain], ids, outs[plain], outs[dart])
+        report[f"{label}_tau"] = _tau(outs[dart])
+    finally:
+        _stop(servers)
+
+
 def _float32_parity(args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict) -> None:
     """Greedy parity in float32, where a near-tie rounding differently between a one-row decode and an
     N-row verify is rare enough that every output should match. On CUDA SGLang 0.5.17's RMSNorm
@@ -296,18 +322,13 @@ def _float32_parity(args: argparse.Namespace, common: list[str], dart_args: list
     f32 = [a if a != args.dtype else "float32" for a in common]
     if torch.cuda.is_available():
         f32 += ["--enable-deterministic-inference"]
-    greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
-    prompts = _chat_ids(args.model, 32)
-    servers = _servers_side_by_side({"plain-f32": f32, "dart-f32": f32 + dart_args}, args, report)
-    try:
-        outs = {name: _run(s, prompts, greedy, 8)[0] for name, s in servers.items()}
-        report["float32_greedy_parity"] = _parity(outs["plain-f32"], outs["dart-f32"])
+
+    def margins(plain, prompts: list, plain_outs: list, dart_outs: list) -> None:  # noqa: ANN001
         report["float32_margins_at_differences"] = _margins_at_differences(
-            servers["plain-f32"], prompts, outs["plain-f32"], outs["dart-f32"], args.new_tokens
+            plain, prompts, plain_outs, dart_outs, args.new_tokens
         )
-        report["float32_tau"] = _tau(outs["dart-f32"])
-    finally:
-        _stop(servers)
+
+    _greedy_parity(args, "float32", f32, dart_args, report, prompts=32, concurrency=8, more=margins)
 
 
 def _seeded_sampling(args: argparse.Namespace, common: list[str], dart_args: list[str], report: dict) -> None:
@@ -335,15 +356,7 @@ def _fp8_target(args: argparse.Namespace, common: list[str], dart_args: list[str
     """An fp8 target (SGLang's online --quantization fp8, a GPU option): DART serves it with its drafter
     unquantized, and greedy output against plain fp8 decoding is reported (bf16 activations: near-ties)."""
     fp8 = common + ["--quantization", "fp8"]
-    greedy = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
-    prompts = _chat_ids(args.model, 16)
-    servers = _servers_side_by_side({"plain-fp8": fp8, "dart-fp8": fp8 + dart_args}, args, report)
-    try:
-        outs = {name: _run(s, prompts, greedy, 4)[0] for name, s in servers.items()}
-        report["fp8_target_greedy_parity"] = _parity(outs["plain-fp8"], outs["dart-fp8"])
-        report["fp8_target_tau"] = _tau(outs["dart-fp8"])
-    finally:
-        _stop(servers)
+    _greedy_parity(args, "fp8_target", fp8, dart_args, report, prompts=16, concurrency=4)
 
 
 def _stage(name: str, report: dict, args: argparse.Namespace, fn, *fn_args) -> None:  # noqa: ANN001
