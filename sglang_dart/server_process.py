@@ -187,8 +187,13 @@ class SglangServer(SglangClient):
             self.nccl_port = free_port()
 
     def _data_parallel(self) -> bool:
-        at = self.args.index("--dp-size") + 1 if "--dp-size" in self.args else 0
-        return at > 0 and at < len(self.args) and self.args[at] != "1"
+        """--dp-size (or --data-parallel-size) above 1, given as two words or with '='."""
+        for i, arg in enumerate(self.args):
+            name, _, value = arg.partition("=")
+            if name in ("--dp-size", "--data-parallel-size"):
+                value = value or (self.args[i + 1] if i + 1 < len(self.args) else "1")
+                return value != "1"
+        return False
 
     def command(self) -> list[str]:
         return [

@@ -33,7 +33,16 @@ def test_a_rendezvous_port_the_caller_gives_is_kept(tmp_path):
     assert server.command().count("--nccl-port") == 1
 
 
-@pytest.mark.parametrize(("dp_args", "named"), [(["--dp-size", "2"], False), (["--dp-size", "1"], True)])
+@pytest.mark.parametrize(
+    ("dp_args", "named"),
+    [
+        (["--dp-size", "2"], False),
+        (["--dp-size=2"], False),
+        (["--data-parallel-size", "4"], False),
+        (["--dp-size", "1"], True),
+        ([], True),
+    ],
+)
 def test_data_parallel_replicas_choose_their_own_rendezvous_ports(tmp_path, dp_args, named):
     """SGLang gives every data-parallel replica the --nccl-port it is given, and the second cannot bind it."""
     server = SglangServer("model", ["--dtype", "float32", *dp_args], tmp_path / "log", device_args=[])
