@@ -433,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
 
     checks = {"greedy": _greedy_and_timings, "float32": _float32_parity, "seeded": _seeded_sampling,
               "fp8-target": _fp8_target}  # fmt: skip
+    gpu_only = {"seeded": "seeded_sampling_parity", "fp8-target": "fp8_target_greedy_parity"}  # report keys
     for name in args.checks:
-        gpu_only = {"seeded": "seeded_sampling_parity", "fp8-target": "fp8_target_greedy_parity"}
         if name in gpu_only and not torch.cuda.is_available():
             report[gpu_only[name]] = "skipped: no CUDA device"
             continue
