@@ -30,8 +30,10 @@ root alone's rate excepted: it costs over 1.4 root-only steps, and the regular p
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sglang_dart.dart.request_acceptance import RequestAcceptance
 from sglang_dart.dart.tree_sizes import PlannedSize, TreeSizeSchedule
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,10 @@ SETTLE_EVERY = 5
 # lost steps or more (a scrambled drafter's trees of 4 at 64 requests: 2.2 root-only steps each).
 SETTLE_WITHIN = 0.7
 SWITCH_MARGIN = 0.05  # another size must beat the one in use by this much: noise is no reason to switch
+# A batch the guard holds at the root alone for its requests' poor drafts (while its bucket runs trees)
+# still runs a tree one step in this many: its requests' acceptance is only measured on tree steps, and a
+# request judged on a few unlucky ones must get the chance to show better.
+RECHECK_HELD_EVERY = 8
 
 
 @dataclass
@@ -75,6 +81,7 @@ class _Bucket:
     steps: int = 0
     probes: int = 0  # how many probes so far: picks the next one in turn
     chosen: int | None = None  # the size in use (logged when it changes); None during the warm-up
+    held: int = 0  # steps held at the root alone for their requests' poor drafts (`GuardedTreeSizes`)
 
 
 def candidate_sizes(max_size: int) -> tuple[int, ...]:
@@ -152,10 +159,10 @@ class AdaptiveTreeSizes:
         """The size the next step of a batch this large should verify (one call per step: it counts)."""
         return self.plan(batch_size).size
 
-    def plan(self, batch_size: int) -> PlannedSize:
+    def plan(self, batch_size: int, requests: Sequence[str] = ()) -> PlannedSize:
         """`size_for`, and whether that step is a probe. The flag travels with the step to `record`, so a
         planned probe that never ran (a prefill came between, or the step fell back to the root alone)
-        leaves nothing behind."""
+        leaves nothing behind. `requests` (the batch's rids) count only for the guard."""
         bucket = self._bucket(batch_size)
         bucket.steps += 1
         # Largest first: it shows at once whether trees pay here at all.
@@ -212,6 +219,12 @@ class AdaptiveTreeSizes:
         requests = max(batch_size, 1)
         stats.add(seconds / requests, float(tokens) / requests, weight, self.tokens_smoothing)
 
+    def record_requests(self, batch_size: int, size: int, rids: Sequence[str], tokens: Sequence[int]) -> None:
+        """One finished step's tokens per request (only the guard weighs requests one by one)."""
+
+    def keep_requests(self, rids: Iterable[str]) -> None:
+        """Forget every request but these (only the guard keeps any)."""
+
     def _log_choice(self, batch_size: int, bucket: _Bucket) -> None:
         rates = ", ".join(
             f"{size}: {stats.rate:.1f}" for size, stats in bucket.stats.items() if stats.samples
@@ -243,9 +256,43 @@ class GuardedTreeSizes(AdaptiveTreeSizes):
     def __init__(self, schedule: TreeSizeSchedule, **kwargs: float) -> None:
         super().__init__(schedule.max_size, **kwargs)
         self.schedule = schedule
+        self.acceptance = RequestAcceptance()
 
     def candidates(self, smallest_batch: int) -> tuple[int, ...]:
         return (1, self.schedule.size_for(smallest_batch))
+
+    def plan(self, batch_size: int, requests: Sequence[str] = ()) -> PlannedSize:
+        """The bucket's plan, then judged for these requests: their own acceptance so far
+        (`request_acceptance.py`) scales the drafts the bucket's tree is expected to add, so a request
+        whose drafts are poor runs root-only steps while the traffic around it runs trees, and one whose
+        drafts are good runs trees where the traffic does not. Probes and the warm-up stay as planned."""
+        planned = super().plan(batch_size)
+        bucket = self._bucket(batch_size)
+        tree = max(bucket.stats)
+        if planned.probe or not requests or tree == 1:
+            return planned
+        tree_stats, root_stats = bucket.stats[tree], bucket.stats[1]
+        if min(tree_stats.samples, root_stats.samples) < self.warmup or tree_stats.seconds <= 0:
+            return planned
+        expected = tree_stats.tokens - 1.0
+        share = self.acceptance.factor(requests, expected)
+        tree_rate = (1.0 + expected * share) / tree_stats.seconds
+        root_rate = root_stats.rate
+        if planned.size == tree and tree_rate * (1 + SWITCH_MARGIN) < root_rate:
+            bucket.held += 1
+            return planned if bucket.held % RECHECK_HELD_EVERY == 0 else PlannedSize(1)
+        if planned.size == 1 and tree_rate > root_rate * (1 + SWITCH_MARGIN):
+            return PlannedSize(tree)
+        return planned
+
+    def record_requests(self, batch_size: int, size: int, rids: Sequence[str], tokens: Sequence[int]) -> None:
+        """A tree step's tokens per request, against the drafts its bucket expected of it."""
+        stats = self._bucket(batch_size).stats.get(size)
+        if size > 1 and stats is not None and stats.samples:
+            self.acceptance.add(rids, tokens, stats.tokens - 1.0)
+
+    def keep_requests(self, rids: Iterable[str]) -> None:
+        self.acceptance.keep_only(rids)
 
     def describe(self) -> str:
         return f"{self.schedule.describe()}, guarded (root-only steps where trees measure slower)"

@@ -13,6 +13,7 @@ every batch size. Sizes above --speculative-num-draft-tokens are capped at it.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,8 +70,8 @@ class TreeSizeSchedule:
     def size_for(self, batch_size: int) -> int:
         return self.sizes[bisect.bisect_right(self.min_batches, max(batch_size, 1)) - 1]
 
-    def plan(self, batch_size: int) -> PlannedSize:
-        """The next step's size (a fixed schedule never probes)."""
+    def plan(self, batch_size: int, requests: Sequence[str] = ()) -> PlannedSize:
+        """The next step's size (a fixed schedule never probes nor weighs requests)."""
         return PlannedSize(self.size_for(batch_size))
 
     def possible_sizes(self, batch_size: int) -> tuple[int, ...]:
@@ -83,6 +84,12 @@ class TreeSizeSchedule:
 
     def record(self, batch_size: int, size: int, seconds: float, tokens: int, probe: bool = False) -> None:
         """A fixed schedule learns nothing from step times (the adaptive one does)."""
+
+    def record_requests(self, batch_size: int, size: int, rids: Sequence[str], tokens: Sequence[int]) -> None:
+        """Nor from each request's tokens (the guard does)."""
+
+    def keep_requests(self, rids: Iterable[str]) -> None:
+        """It keeps nothing per request."""
 
     def describe(self) -> str:
         return ",".join(f"{b}:{s}" for b, s in zip(self.min_batches, self.sizes, strict=True))

@@ -93,6 +93,10 @@ TARGET_WEIGHTS_UPDATED = (
 )
 
 
+def _rids(reqs: list[Any]) -> list[str]:
+    return [req.rid for req in reqs]
+
+
 def _check_roots_follow_the_cache(
     reqs: list[Any], progress: RequestProgress, seq_lens_cpu: Any, overlap: bool
 ) -> None:
@@ -309,7 +313,13 @@ class DartWorker(NGRAMWorker):
 
     def clear_cache_pool(self) -> None:
         self._settle()
-        self.trees.keep_only([])
+        self._keep_only([])
+
+    def _keep_only(self, reqs: list[Any]) -> None:
+        """Forget every request but these in the per-request state: a decode batch holds every running
+        request (DART runs without mixed batches), so any other one finished, was aborted or retracted."""
+        self.trees.keep_only(reqs)
+        self.tree_sizes.keep_requests(_rids(reqs))
 
     # SGLang updates the target first, then asks the speculative worker to load the same weights into its
     # draft runners, which DART's drafter cannot take: it is another checkpoint, and the target's
@@ -336,7 +346,7 @@ class DartWorker(NGRAMWorker):
         """This step's tree size: the schedule's for the batch size (or the size the step before planned),
         or 1 when some request has no current candidates. The step is a probe only if it runs the size
         its schedule planned as one."""
-        planned = self._planned or self.tree_sizes.plan(len(batch.reqs))
+        planned = self._planned or self.tree_sizes.plan(len(batch.reqs), _rids(batch.reqs))
         size = self.trees.size_for_step(batch, planned.size)
         self._step_probe = planned.probe and size == planned.size
         return size
@@ -351,7 +361,7 @@ class DartWorker(NGRAMWorker):
         """The drafting phase after a verify: the next step's size is chosen now, and a root-only step
         needs no draft forward (a tree of N nodes past its root is at most N deep). The step's results and
         candidates reach the host at the next step's start (`_settle`)."""
-        self._planned = self.tree_sizes.plan(len(batch.reqs))
+        self._planned = self.tree_sizes.plan(len(batch.reqs), _rids(batch.reqs))
         depths = self._planned.size - 1 if self._planned.size > 1 else None
         drafted = self.drafting.after_verify(batch, taps, step, depths)
         self._unsettled = (drafted, started, size, self._step_probe)
@@ -367,6 +377,7 @@ class DartWorker(NGRAMWorker):
         self._unsettled = None
         host = self.drafting.settle(step)
         self.step_clock.finish(started, len(step.rows), size, sum(host.lens), step.drafting_seconds, probe)
+        self.tree_sizes.record_requests(len(step.rows), size, _rids(step.reqs), host.lens)
 
     def _verify_trees(
         self, batch: Any, logits_output: Any, verify_input: Any, size: int
@@ -493,7 +504,7 @@ class DartWorker(NGRAMWorker):
                 accept_index=accept_index,
             )
             self._draft_after_verify(batch, taps, verified_step, started, size)
-            self.trees.keep_only(batch.reqs)
+            self._keep_only(batch.reqs)
             batch.forward_mode = ForwardMode.DECODE
             next_token_ids = accept_tokens
             verified = size
@@ -603,7 +614,7 @@ class DartWorker(NGRAMWorker):
             accept_index=index.view(bs, 1),
         )
         self._draft_after_verify(batch, result.logits_output.hidden_states, verified_step, started, 1)
-        self.trees.keep_only(batch.reqs)
+        self._keep_only(batch.reqs)
         self.timer.step_done(bs)
         accept_tokens = self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten()
         return self._step_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, 1, 1)

@@ -311,6 +311,89 @@ def test_the_guard_always_settles_the_root_alone():
     assert chooser.best(1) == 1
 
 
+def _serve_in_turn(
+    chooser: GuardedTreeSizes, acceptances: list[float], cost: float, seed: int, weigh_requests: bool
+) -> tuple[float, dict[float, float]]:
+    """Requests of 128 tokens served one after another (batch 1) as the worker drives the guard: plan with
+    the batch's rids, record the step and its tokens per request, forget requests that finished. Each
+    tree step accepts a geometric number of drafts (probability `acceptances[i]` per level) at `cost`
+    times a root-only step's time (+-5%). Returns the simulated seconds and, per acceptance, the share of
+    steps that ran trees."""
+    rng = random.Random(seed)
+    seconds, steps, tree_steps = 0.0, Counter(), Counter()
+    for rid, acceptance in enumerate(acceptances):
+        emitted = 0
+        while emitted < 128:
+            rids = [str(rid)]
+            size, probe = chooser.plan(1, rids if weigh_requests else ())
+            tokens = 1
+            while size > 1 and tokens < size and rng.random() < acceptance:
+                tokens += 1
+            step = (cost if size > 1 else 1.0) * rng.uniform(0.95, 1.05)
+            chooser.record(1, size, step, tokens, probe)
+            chooser.record_requests(1, size, rids, [tokens])
+            seconds += step
+            emitted += tokens
+            steps[acceptance] += 1
+            tree_steps[acceptance] += size > 1
+        chooser.keep_requests([])
+    return seconds, {acceptance: tree_steps[acceptance] / steps[acceptance] for acceptance in steps}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_guard_holds_a_request_with_poor_drafts_at_the_root_alone(seed):
+    """Batch 1, requests whose drafts are good (0.7 a level) and poor (0.08) in turn, trees at 1.6x a
+    plain step (the guard's bucket-wide averages see 1.0x either way). Judged per request the poor ones
+    run root-only steps but for their first steps and a recheck every RECHECK_HELD_EVERY steps (17-23%
+    of their steps), the good ones mostly trees, and the traffic runs faster (bucket-wide: 1.00-1.01x
+    plain; weighed: 1.17-1.22x)."""
+    acceptances = [0.7 if i % 2 else 0.08 for i in range(30)]
+    plain = len(acceptances) * 128
+    weighed, trees = _serve_in_turn(_guarded("1:8"), acceptances, 1.6, seed, weigh_requests=True)
+    bucket_only, _ = _serve_in_turn(_guarded("1:8"), acceptances, 1.6, seed, weigh_requests=False)
+    assert plain / weighed > 1.1 * plain / bucket_only
+    assert plain / weighed > 1.12
+    assert trees[0.08] < 0.3
+    assert trees[0.7] > trees[0.08] + 0.25  # 0.46-0.95 of their steps
+
+
+@pytest.mark.parametrize("acceptance", [0.5, 0.3, 0.15])
+def test_weighing_requests_costs_nothing_when_they_are_alike(acceptance):
+    """Traffic whose requests all draft alike (trees paying 1.5x, 1.08x, or not at all at 1.3x a plain
+    step): per-request luck must not cost throughput against the bucket-wide guard."""
+    acceptances = [acceptance] * 20
+    for seed in range(2):
+        weighed, _ = _serve_in_turn(_guarded("1:8"), acceptances, 1.3, seed, weigh_requests=True)
+        bucket_only, _ = _serve_in_turn(_guarded("1:8"), acceptances, 1.3, seed, weigh_requests=False)
+        assert weighed <= 1.02 * bucket_only
+
+
+def test_a_batch_without_history_runs_as_its_bucket_plans():
+    """Requests with no tree steps of their own are judged as the traffic is: the same plans, step for
+    step, as without rids."""
+    weighed, alone = _guarded(), _guarded()
+    cost = lambda bs, size: 0.05 * (1.3 if size > 1 else 1.0)  # noqa: E731
+    for step in range(300):
+        rids = [f"new-{step}", f"other-{step}"]
+        a, b = weighed.plan(2, rids), alone.plan(2)
+        assert a == b
+        for chooser in (weighed, alone):
+            chooser.record(2, a.size, cost(2, a.size), _accepts(2, a.size), a.probe)
+    assert len(weighed.acceptance) == 0
+
+
+def test_only_the_guard_weighs_requests():
+    """Fixed and `auto` schedules take the rids and ignore them."""
+    fixed = TreeSizeSchedule.parse("1:8,4:2", 8)
+    assert fixed.plan(1, ["a"]) == fixed.plan(1)
+    fixed.record_requests(1, 8, ["a"], [3])
+    fixed.keep_requests([])
+    auto = AdaptiveTreeSizes(8)
+    assert auto.plan(1, ["a"]).size == 8  # the warm-up's largest first
+    auto.record_requests(1, 8, ["a"], [3])
+    auto.keep_requests([])
+
+
 def test_the_cpu_default_is_guarded_and_an_explicit_schedule_is_not(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({}))
     args = SimpleNamespace(

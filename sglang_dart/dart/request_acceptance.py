@@ -1,0 +1,69 @@
+"""How well each running request's own drafts are accepted, against what its batch-size bucket expects.
+
+The guard (`adaptive_sizes.GuardedTreeSizes`) weighs a tree against the root alone with tokens per step
+averaged over ~100 steps of whatever traffic ran: right for the traffic as a whole, wrong for the one
+request in front of it whose drafts are poor (a prompt unlike the drafter's training data, a long
+context) or unusually good. Each request here keeps two decayed sums over its own tree steps: drafts
+accepted, and drafts its bucket expected at the time. Their ratio, shrunk towards 1 by PRIOR_STEPS steps'
+worth of the bucket's expectation, says how this request compares with the traffic: a few steps do not
+decide, a few dozen do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+# Weight of the bucket's own expectation, in steps: with fewer of its own steps a request is mostly judged
+# as the traffic is (its first steps accept by luck as much as by the prompt).
+PRIOR_STEPS = 8.0
+# Each tree step multiplies a request's sums by this: ~50 recent steps speak for it, so a request whose
+# answer moves from boilerplate to new ground (or back) is judged on where it is now.
+DECAY = 0.98
+
+
+@dataclass
+class _Sums:
+    accepted: float = 0.0  # drafts accepted (tokens emitted past the one every step emits)
+    expected: float = 0.0  # drafts the bucket expected in the same steps
+
+
+class RequestAcceptance:
+    def __init__(self, prior_steps: float = PRIOR_STEPS, decay: float = DECAY) -> None:
+        self.prior_steps = prior_steps
+        self.decay = decay
+        self._by_rid: dict[str, _Sums] = {}
+
+    def add(self, rids: Sequence[str], tokens: Sequence[int], expected_drafts: float) -> None:
+        """One tree step: each request's tokens emitted (its root's successor included) and the drafts per
+        request its bucket expected of such a step."""
+        if expected_drafts <= 0:
+            return
+        for rid, emitted in zip(rids, tokens, strict=True):
+            sums = self._by_rid.setdefault(rid, _Sums())
+            sums.accepted = sums.accepted * self.decay + max(emitted - 1, 0)
+            sums.expected = sums.expected * self.decay + expected_drafts
+
+    def factor(self, rids: Sequence[str], expected_drafts: float) -> float:
+        """How many of the bucket's expected drafts these requests will accept, as a share (1 = as the
+        traffic does; the mean over requests, each shrunk towards 1)."""
+        if not rids or expected_drafts <= 0:
+            return 1.0
+        prior = self.prior_steps * expected_drafts
+        total = 0.0
+        for rid in rids:
+            sums = self._by_rid.get(rid)
+            if sums is None:
+                total += 1.0
+            else:
+                total += (sums.accepted + prior) / (sums.expected + prior)
+        return total / len(rids)
+
+    def keep_only(self, rids: Iterable[str]) -> None:
+        """Forget every request but these (the others finished, were aborted or retracted)."""
+        current = set(rids)
+        for rid in [rid for rid in self._by_rid if rid not in current]:
+            del self._by_rid[rid]
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
