@@ -7,7 +7,8 @@ measured in turn, every other round in reverse order, so that the VM's drift wei
 
 The other checkout's servers run with PYTHONPATH=DIR, so SGLang's plugin entry point imports its
 sglang_dart (its scheduler processes inherit the path). Greedy, ignore_eos, the `varied` benchmark prompts
-one at a time after a warm-up (`throughput.py`'s measurement), bf16, the shipped drafter and store. Prints
+one at a time after a warm-up (`throughput.py`'s measurement), bf16 unless `--dtype` says otherwise, the
+shipped drafter and store. Prints
 tokens/s and CPU time per round and the per-round ratios.
 """
 
@@ -39,15 +40,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="the target's (float32 is where trees pay on a CPU without bf16)"
+    )
     args = parser.parse_args()
     if not (args.other / "sglang_dart" / "_core.abi3.so").exists():
         parser.error(f"{args.other}/sglang_dart/_core.abi3.so is missing: copy this checkout's build there")
-    model = smollm2_dir()
+    model = smollm2_dir("float32" if args.dtype == "float32" else "bfloat16")
     tokenizer = AutoTokenizer.from_pretrained(model)
     draft, store = shipped_smollm2_drafter()
     other = {"PYTHONPATH": str(args.other.resolve())}
     logs = Path(tempfile.mkdtemp(prefix="dart-ab-"))
-    flags = {"plain": ["--dtype", "bfloat16"], "DART": [*dart_flags(draft, store), "--dtype", "bfloat16"]}
+    flags = {"plain": ["--dtype", args.dtype], "DART": [*dart_flags(draft, store), "--dtype", args.dtype]}
     servers = {
         f"{kind} {side}": SglangServer(model, kind_flags, logs / f"{kind}-{side}.log", env=env)
         for kind, kind_flags in flags.items()
