@@ -247,8 +247,9 @@ class GuardedTreeSizes(AdaptiveTreeSizes):
     trees run where they pay, and where the drafts are poor (prompts unlike the drafter's training data,
     a weak drafter) or the hardware makes trees dear, the server falls back to plain decoding by itself
     instead of running slower than it. Two candidates, not `auto`'s five: fewer probes, and a choice that
-    noise moves less. Explicit schedules (SGLANG_DART_TREE_SIZES) run unguarded, as given, unless
-    prefixed `guarded:`."""
+    noise moves less. Those averages are the traffic's; each step is then judged for the requests in it
+    (`plan`), by their own acceptance so far. Explicit schedules (SGLANG_DART_TREE_SIZES) run unguarded,
+    as given, unless prefixed `guarded:`."""
 
     label = "guarded"
     settle_samples = GUARD_SETTLE_SAMPLES
