@@ -14,6 +14,7 @@ suffix), kept in step with the same start/advance/keep_only calls.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,12 @@ class Progress:
         """The two tokens before the root (-1 where the sequence is shorter)."""
         padded = (-1, -1, *self.recent)
         return padded[-3], padded[-2]
+
+
+def forget_all_but(by_rid: dict[str, Any], current: Collection[str]) -> None:
+    """Drop the entries of requests not in `current` (per-request state of requests that left the batch)."""
+    for rid in [rid for rid in by_rid if rid not in current]:
+        del by_rid[rid]
 
 
 def _tokens_of(req: Any) -> int:
@@ -97,7 +104,6 @@ class RequestProgress:
         """Forget every request but these (the running batch: any other one finished, was aborted or was
         retracted; a retracted one starts afresh at its next prefill)."""
         current = {req.rid for req in reqs}
-        for rid in [rid for rid in self._by_rid if rid not in current]:
-            del self._by_rid[rid]
+        forget_all_but(self._by_rid, current)
         if self.context is not None:
             self.context.keep_only(list(current))

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sglang_dart.dart.progress import forget_all_but
+
 # Weight of the bucket's own expectation, in steps: with fewer of its own steps a request is mostly judged
 # as the traffic is (its first steps accept by luck as much as by the prompt).
 PRIOR_STEPS = 8.0
@@ -61,9 +63,7 @@ class RequestAcceptance:
 
     def keep_only(self, rids: Iterable[str]) -> None:
         """Forget every request but these (the others finished, were aborted or retracted)."""
-        current = set(rids)
-        for rid in [rid for rid in self._by_rid if rid not in current]:
-            del self._by_rid[rid]
+        forget_all_but(self._by_rid, set(rids))
 
     def __len__(self) -> int:
         return len(self._by_rid)

@@ -19,7 +19,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from sglang_dart.dart.phase_timer import PhaseTimer
-from sglang_dart.dart.progress import Progress, RequestProgress
+from sglang_dart.dart.progress import Progress, RequestProgress, forget_all_but
 from sglang_dart.dart.sampling import node_paths
 from sglang_dart.dart.verify_mask import verify_inputs
 from sglang_dart.drafter import DartDrafter
@@ -249,7 +249,5 @@ class Trees:
     def keep_only(self, reqs: list[Any]) -> None:
         """Forget every request but these: a decode batch holds every running request (DART runs without
         mixed batches), so any other one finished, was aborted or was retracted."""
-        current = {req.rid for req in reqs}
-        for rid in [rid for rid in self.candidates if rid not in current]:
-            del self.candidates[rid]
+        forget_all_but(self.candidates, {req.rid for req in reqs})
         self.progress.keep_only(reqs)
