@@ -273,7 +273,7 @@ class GuardedTreeSizes(AdaptiveTreeSizes):
         if planned.probe or not requests or tree == 1:
             return planned
         tree_stats, root_stats = bucket.stats[tree], bucket.stats[1]
-        if min(tree_stats.samples, root_stats.samples) < self.warmup or tree_stats.seconds <= 0:
+        if min(tree_stats.samples, root_stats.samples) < self.warmup:  # sampled times are > 0 (`record`)
             return planned
         expected = tree_stats.tokens - 1.0
         share = self.acceptance.factor(requests, expected)
