@@ -14,9 +14,14 @@ size that must never be lost to), and that probe's step time replaces the size's
 use go stale, and a stale one that is too high would otherwise never be tried again (a probe that comes out
 too low makes its size the chosen one, which is measured every step from then on and so corrects itself within
 a few steps). A size replaces the one in use only if it measures 5% faster, so noise alone does not move the
-choice. So the choice follows a drafter that gets better or worse on the current traffic. It never changes
-what is generated: only how many tokens a step verifies. The chosen size of a bucket is logged when it
-changes.
+choice, and one step (a probe too) counts at most 1.5x its size's mean step time (`STALL_CLIP`), so a
+step the machine stalled does not either. So the choice follows a drafter that gets better or worse on the
+current traffic. It never changes what is generated: only how many tokens a step verifies. The chosen size
+of a bucket is logged when it changes.
+
+While a probed size measures under half the rate of the one in use, the gap between probes doubles, up to
+8x (`PROBE_BACKOFF_BELOW`): a tree that costs three plain steps and fills one token is not worth a look
+every 50 steps.
 
 Tokens per step are averaged over about 100 steps (weight 0.01; a probe adds one sample), step times over
 about 5 (weight 0.2): a step's time varies little, but how many drafts it accepts varies from none to the
@@ -51,6 +56,21 @@ SETTLE_EVERY = 5
 # lost steps or more (a scrambled drafter's trees of 4 at 64 requests: 2.2 root-only steps each).
 SETTLE_WITHIN = 0.7
 SWITCH_MARGIN = 0.05  # another size must beat the one in use by this much: noise is no reason to switch
+# A step the machine stalled (another process took the cores for a moment) says nothing of what its size
+# costs: once a size has CLIP_AFTER samples, one step counts at most STALL_CLIP times its mean. Unclipped,
+# one stall of 2.5x raised a root-only estimate by 30% (weight 0.2), enough to hand the steps to trees
+# that lose until the next probe: simulated with 2% of steps stalled, trees at 1.3x a plain step's cost
+# that emit 1.18 tokens ran in 26-37% of the steps against 2-3% without stalls; clipped, 4-12%
+# (`tests/unit/test_adaptive_sizes.py`).
+STALL_CLIP = 1.5
+CLIP_AFTER = 3
+# A probe whose size measured under PROBE_BACKOFF_BELOW of the chosen size's rate doubles its bucket's gap
+# between regular probes, up to MAX_PROBE_BACKOFF times `explore_every`; a probe within it restores the
+# gap. Where trees cost three plain steps and emit 1.2-1.4 tokens, each probe of them lost ~1.7 plain
+# steps, 3-4% of the time at one probe in 50; backed off, under 1%. Not below 0.5: trees that lose by
+# less are the ones better traffic soonest makes pay, and probes are how the guard finds out.
+PROBE_BACKOFF_BELOW = 0.5
+MAX_PROBE_BACKOFF = 8
 # A batch the guard holds at the root alone for its requests' poor drafts (while its bucket runs trees)
 # still runs a tree one step in this many: its requests' acceptance is only measured on tree steps, and a
 # request judged on a few unlucky ones must get the chance to show better.
@@ -66,6 +86,8 @@ class _SizeStats:
     def add(self, seconds: float, tokens: float, weight: float, tokens_weight: float) -> None:
         # The plain mean while there are few samples, then a moving average.
         first = 1.0 / (self.samples + 1)
+        if self.samples >= CLIP_AFTER:
+            seconds = min(seconds, STALL_CLIP * self.seconds)
         self.seconds += max(weight, first) * (seconds - self.seconds)
         self.tokens += max(tokens_weight, first) * (tokens - self.tokens)
         self.samples += 1
@@ -82,6 +104,7 @@ class _Bucket:
     probes: int = 0  # how many probes so far: picks the next one in turn
     chosen: int | None = None  # the size in use (logged when it changes); None during the warm-up
     held: int = 0  # steps held at the root alone for their requests' poor drafts (`GuardedTreeSizes`)
+    probe_gap: int = 0  # steps between regular probes; 0 until a probe backs off (`PROBE_BACKOFF_BELOW`)
 
 
 def candidate_sizes(max_size: int) -> tuple[int, ...]:
@@ -188,7 +211,7 @@ class AdaptiveTreeSizes:
             probe = unsettled[bucket.probes % len(unsettled)]
             bucket.probes += 1
             return PlannedSize(probe, probe=True)
-        if bucket.steps % self.explore_every:
+        if bucket.steps % (bucket.probe_gap or self.explore_every):
             return PlannedSize(best)
         probes = self._probes(best, tuple(bucket.stats))
         if not probes:  # a single candidate size
@@ -208,7 +231,8 @@ class AdaptiveTreeSizes:
     def record(self, batch_size: int, size: int, seconds: float, tokens: int, probe: bool = False) -> None:
         """One finished step: its batch size, the size it verified, its wall time and tokens emitted, and
         whether it ran as a probe (`plan`)."""
-        stats = self._bucket(batch_size).stats.get(size)
+        bucket = self._bucket(batch_size)
+        stats = bucket.stats.get(size)
         if stats is None or seconds <= 0:
             return
         weight = PROBE_WEIGHT if probe else self.smoothing
@@ -218,6 +242,16 @@ class AdaptiveTreeSizes:
         # or slower than it was; per request they compare like with like.
         requests = max(batch_size, 1)
         stats.add(seconds / requests, float(tokens) / requests, weight, self.tokens_smoothing)
+        if probe and bucket.chosen is not None and size != bucket.chosen:
+            self._pace_probes(bucket, stats)
+
+    def _pace_probes(self, bucket: _Bucket, probed: _SizeStats) -> None:
+        """After a probe: probe less often while what it tried stays far behind the size in use."""
+        if probed.rate < PROBE_BACKOFF_BELOW * bucket.stats[bucket.chosen].rate:
+            gap = bucket.probe_gap or self.explore_every
+            bucket.probe_gap = min(2 * gap, MAX_PROBE_BACKOFF * self.explore_every)
+        else:
+            bucket.probe_gap = 0
 
     def record_requests(self, batch_size: int, size: int, rids: Sequence[str], tokens: Sequence[int]) -> None:
         """One finished step's tokens per request (only the guard weighs requests one by one)."""

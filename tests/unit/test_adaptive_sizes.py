@@ -13,7 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_dart.dart.adaptive_sizes import (
+    CLIP_AFTER,
     GUARD_SETTLE_SAMPLES,
+    MAX_PROBE_BACKOFF,
+    STALL_CLIP,
     AdaptiveTreeSizes,
     GuardedTreeSizes,
     StepClock,
@@ -181,10 +184,48 @@ def test_a_planned_probe_that_never_ran_leaves_nothing_behind():
         chooser.record(1, planned.size, 0.06, _accepts(1, planned.size))
     assert planned.size == 1  # a probe of the root alone, dropped here: it never runs
     before = chooser._bucket(1).stats[1].seconds
-    chooser.record(1, 1, 10 * before, 1.0)  # the root alone's next step, regular and slow
-    assert chooser._bucket(1).stats[1].seconds == pytest.approx(before + 0.2 * 9 * before)
+    chooser.record(1, 1, 1.4 * before, 1.0)  # the root alone's next step, regular and slower
+    assert chooser._bucket(1).stats[1].seconds == pytest.approx(before + 0.2 * 0.4 * before)
     chooser.record(1, 1, before, 1.0, probe=True)  # a probe that ran replaces the estimate
     assert chooser._bucket(1).stats[1].seconds == pytest.approx(before)
+
+
+def test_a_stalled_step_counts_as_at_most_stall_clip_times_the_mean():
+    """Past its first CLIP_AFTER samples a size's estimate moves by at most STALL_CLIP per step, up; down
+    it follows the step as before (a probe replaces it)."""
+    chooser = AdaptiveTreeSizes(2, warmup=1)
+    for _ in range(CLIP_AFTER + 2):  # and past the plain mean of the first samples: weight 0.2 from here
+        chooser.record(1, 1, 0.1, 1.0)
+    stats = chooser._bucket(1).stats[1]
+    chooser.record(1, 1, 1.0, 1.0)  # 10x: the VM took the cores away
+    assert stats.seconds == pytest.approx(0.1 + 0.2 * (STALL_CLIP - 1) * 0.1)
+    chooser.record(1, 1, 0.5, 1.0, probe=True)  # a probe's step: replaces, but is clipped too
+    assert stats.seconds == pytest.approx(STALL_CLIP * (0.1 + 0.2 * (STALL_CLIP - 1) * 0.1))
+    chooser.record(1, 1, 0.01, 1.0, probe=True)
+    assert stats.seconds == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stalled_steps_do_not_hand_the_steps_to_trees_that_lose(seed):
+    """Trees of 8 at 1.3x a plain step's cost that the drafter fills with 1.18 tokens (0.91x the root
+    alone's rate), and 2% of steps stalled 2.5x by the VM. Each stall of a root-only step used to raise its
+    estimate by 30%, below the trees' rate, and trees ran until the next probe of the root alone: 26-37% of
+    the steps (seeds 0-5), against 2-3% without stalls; clipped, 4-12%."""
+    rng = random.Random(seed)
+    chooser = _guarded("1:8")
+
+    def seconds(bs: int, size: int) -> float:
+        stalled = 2.5 if rng.random() < 0.02 else 1.0
+        return 0.05 * (1.3 if size > 1 else 1.0) * rng.uniform(0.95, 1.05) * stalled
+
+    def tokens(bs: int, size: int) -> float:
+        accepted = 1
+        while size > 1 and accepted < size and rng.random() < 0.15:
+            accepted += 1
+        return accepted
+
+    picked = _run(chooser, 1, 5000, seconds, tokens)
+    assert picked[8] <= 0.16 * 5000
 
 
 def test_auto_is_read_from_the_environment(tmp_path, monkeypatch):
@@ -294,6 +335,36 @@ def test_the_guard_does_not_settle_trees_that_measured_far_behind():
     )
     assert chooser.best(48) == 1
     assert picked[4] <= chooser.warmup + 500 // 50
+
+
+def test_probes_of_trees_far_behind_back_off_and_come_back():
+    """Trees of 8 that cost 3 plain steps and emit 1.2 tokens (0.4x the root alone's rate): after each
+    probe that confirms it the gap to the next doubles, up to MAX_PROBE_BACKOFF x 50 steps. When the
+    trees get cheap (the machine is no longer busy) the next probe shows it, they are chosen, and the gap
+    is back to 50."""
+    chooser = _guarded("1:8")
+    cost = {"tree": 3.0}
+    seconds = lambda bs, size: 0.05 * (cost["tree"] if size > 1 else 1.0)  # noqa: E731
+    tokens = lambda bs, size: 1.2 if size > 1 else 1.0  # noqa: E731
+    picked = _run(chooser, 1, 3000, seconds, tokens)
+    assert chooser.best(1) == 1
+    bucket = chooser._bucket(1)
+    assert bucket.probe_gap == MAX_PROBE_BACKOFF * 50
+    # Warm-up, then probes at steps 50, 100, 200, 400, then every 400: 10 probes in 3000 steps, not 60.
+    assert chooser.warmup + 5 <= picked[8] <= chooser.warmup + 15
+    cost["tree"] = 1.0
+    picked = _run(chooser, 1, MAX_PROBE_BACKOFF * 50 + 10, seconds, tokens)
+    assert chooser.best(1) == 8
+    assert bucket.probe_gap == 0
+
+
+def test_probes_of_trees_that_lose_by_less_do_not_back_off():
+    """Trees at 0.6x the root alone's rate are probed every 50 steps, as before."""
+    chooser = _guarded("1:8")
+    picked = _run(chooser, 1, 1000, lambda bs, size: 0.05 * (2.0 if size > 1 else 1.0), lambda bs, size: 1.2)
+    assert chooser.best(1) == 1
+    assert chooser._bucket(1).probe_gap == 0
+    assert picked[8] >= chooser.warmup + 1000 // 50 - 2
 
 
 def test_the_guard_always_settles_the_root_alone():
