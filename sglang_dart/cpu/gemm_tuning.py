@@ -9,6 +9,7 @@ taking turns as in a forward and each sample on another weight of its shape (so 
 memory, not from a warm cache), and serving calls find their choice made. Near ties may be decided
 otherwise than serving calls would have (noise either way); a bucket nothing foresaw (a thread count set
 later by hand), or one past the time budget (`budget_seconds`), is still timed on its serving calls.
+Processes started together take turns (`timing_lock`): timed side by side, each measured the other.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from sglang_dart._core import SKINNY_MATMUL_MAX_ROWS
-from sglang_dart.cpu import skinny_gemm, small_step_threads
+from sglang_dart.cpu import skinny_gemm, small_step_threads, timing_lock
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +213,15 @@ def tune_model_runner(model_runner: Any) -> None:
     weights = served_weights(model_runner.model)
     if not weights or budget_seconds() == 0:
         return
+    waiting_since = time.perf_counter()
+    # Servers started together would time their forms against each other (`timing_lock`); the holder
+    # spends at most the budget, so a third in line waits about two budgets.
+    with timing_lock.timing_alone(max_wait=3 * budget_seconds()):
+        waited = time.perf_counter() - waiting_since
+        _tune_weights_of(model_runner, weights, waited)
+
+
+def _tune_weights_of(model_runner: Any, weights: list, waited: float) -> None:
     start, before = time.perf_counter(), torch.get_num_threads()
     deadline = start + budget_seconds()
     chosen: collections.Counter = collections.Counter()
@@ -235,9 +245,10 @@ def tune_model_runner(model_runner: Any) -> None:
         drop_unused_packed_copies(weights, packed_before)
     if chosen or left_from is not None:
         logger.info(
-            "sglang_dart: CPU linear forms chosen at start-up for %d weights in %.1f s (%s buckets%s; "
+            "sglang_dart: CPU linear forms chosen at start-up for %d weights in %.1f s%s (%s buckets%s; "
             "set %s=torch to keep torch's own product)",
             len(weights), time.perf_counter() - start,
+            f", after waiting {waited:.1f} s for another process's timing" if waited >= 0.5 else "",
             ", ".join(f"{form} {n}" for form, n in chosen.most_common()) or "no",
             "" if left_from is None else
             f"; from {left_from} rows on left to serving calls by {BUDGET_ENV}={budget_seconds():g}",
