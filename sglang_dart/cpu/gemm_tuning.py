@@ -221,7 +221,7 @@ def tune_model_runner(model_runner: Any) -> None:
         _tune_weights_of(model_runner, weights, waited)
 
 
-def _tune_weights_of(model_runner: Any, weights: list, waited: float) -> None:
+def _tune_weights_of(model_runner: Any, weights: list[torch.Tensor], waited: float) -> None:
     start, before = time.perf_counter(), torch.get_num_threads()
     deadline = start + budget_seconds()
     chosen: collections.Counter = collections.Counter()
