@@ -20,8 +20,11 @@ Four forms compute the same product:
   on every SmolLM2 layer and the lm_head (benchmarks/results/throughput.md, run 15). For bf16 weights
   `skinny_matmul_bf16` does the same with AVX512-BF16 dot products (float32 sums, rounded once): on the
   AVX512-BF16 EPYC all of SmolLM2's linears took 11 ms for one row against torch's 19-24, 15 against
-  23-27 for 8 rows, level at about 20 rows and slower beyond (runs 43-46). `auto` offers it where the
-  CPU has AVX512-BF16 and no AMX (`bf16_kernel_pays`).
+  23-27 for 8 rows, level at about 20 rows and slower beyond (runs 43-46). Without AVX512-BF16 it runs
+  the float32 product's AVX2 tiles on weights widened as they load: on the AVX2-only EPYC, where torch's
+  bf16 products cost in proportion to their rows, 16-21 ms for one row and 26-37 for 8 against torch's
+  17-21 and 116-143 (run 119). `auto` offers it where it has either kernel and the CPU no AMX
+  (`bf16_kernel_pays`).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
 weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread count: the forms are timed
 and the fastest is kept. `gemm_tuning` times every bucket of a model's weights when it is loaded; a bucket
@@ -57,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_dart._core import (
-    SKINNY_BF16_NATIVE,
+    SKINNY_BF16_KERNEL,
     SKINNY_MATMUL_MAX_ROWS,
     skinny_matmul,
     skinny_matmul_bf16,
@@ -167,10 +170,10 @@ def _cpu_has_amx() -> bool:
 
 @functools.cache
 def bf16_kernel_pays() -> bool:
-    """Whether `auto` offers the Rust bf16 product: where the CPU has AVX512-BF16 and no AMX. Without
-    AVX512-BF16 its portable path is only correct, not fast; with AMX torch's bf16 products use the tiles,
-    which this kernel has not been measured against."""
-    return bool(SKINNY_BF16_NATIVE) and not _cpu_has_amx()
+    """Whether `auto` offers the Rust bf16 product: where it runs a vector kernel (AVX512-BF16, or AVX2 and
+    FMA with the weights widened to float32) and the CPU has no AMX. Its portable path is only correct, not
+    fast; with AMX torch's bf16 products use the tiles, which this kernel has not been measured against."""
+    return SKINNY_BF16_KERNEL != "portable" and not _cpu_has_amx()
 
 
 def rust_dtypes() -> tuple[torch.dtype, ...]:
@@ -178,6 +181,16 @@ def rust_dtypes() -> tuple[torch.dtype, ...]:
     if bf16_kernel_pays() or mode() == "rust":
         return (torch.float32, torch.bfloat16)
     return (torch.float32,)
+
+
+def bf16_rust_only() -> bool:
+    """Whether `auto` gives every bf16 product the Rust one can take to Rust, untimed and whatever torch's
+    thread count: where its kernel is AVX2 (no bf16 instructions). There torch's bf16 product costs in
+    proportion to its rows (8 rows 4-5x the Rust one's time) while one row ties, so timed choices picked
+    torch for some row counts and Rust for others, and a token verified in a tree got other bits than
+    decoded alone: greedy output unlike plain decoding's (7 chat prompts, 128 tokens: 5 differed). The
+    Rust product gives a row the same bits whatever the call's other rows."""
+    return SKINNY_BF16_KERNEL == "avx2" and mode() == "auto" and bf16_kernel_pays()
 
 
 def _bf16_rust_now() -> bool:
@@ -284,15 +297,17 @@ def forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ..
         and packed_budget_bytes() > 0
         and not training  # oneDNN's packed product has no backward
     )
-    rust_fits = (
+    rust_takes = (
         weight.dtype == x.dtype
         and weight.dtype in rust_dtypes()
-        and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
         and rows <= SKINNY_MATMUL_MAX_ROWS
         and weight.is_contiguous()
         # The Rust product has no backward: training (the drafter's) stays with torch.
         and not training
     )
+    if rust_takes and weight.dtype == torch.bfloat16 and bf16_rust_only():
+        return ("rust",)
+    rust_fits = rust_takes and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
     if rows > MAX_ROWS:
         return ("torch", "packed") if packed_fits else ("torch",)
     one_row = ("torch", *(("rust",) if rust_fits else ()), *(("packed",) if packed_fits else ()))
@@ -357,7 +372,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if forms == ("torch",):  # nothing else applies (more rows than the few-row forms take)
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if current != "auto":
+    if len(forms) == 1:  # nothing to choose (`bf16_rust_only`)
+        out = PRODUCTS[forms[0]](flat, weight)
+    elif current != "auto":
         if current not in forms:
             return F.linear(x, weight, bias)
         out = PRODUCTS[current](flat, weight)

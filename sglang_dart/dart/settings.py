@@ -27,6 +27,7 @@ environment variables for the pruner knobs. Validated at start-up, in the launch
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -110,26 +111,36 @@ def cpu_has_avx512_bf16() -> bool:
 
 def fast_dtype(device: str, cpu_has_amx: bool, cpu_has_avx512_bf16: bool) -> str:
     """The dtype DART serves a SmolLM2-sized target fastest in: bfloat16 on a GPU or on a CPU with bf16
-    matrix instructions (AMX or AVX512-BF16); float32 on any other CPU, where a tree's many-row bf16
+    matrix instructions (AMX or AVX512-BF16); float32 on any other CPU, where torch's many-row bf16
     products are emulated (AVX2-only EPYC, the demo's 128 tokens: DART 23.0 tok/s in float32, 9.5 in
-    bfloat16, where the guard kept it on root-only steps)."""
+    bfloat16, where the guard kept it on root-only steps). Since the Rust bf16 product runs on AVX2 the
+    two are close there (run 119, 7 prompts at batch 1: bf16 DART 1.42x bf16 plain, float32 DART 1.33x,
+    one run); float32 stays, the dtype the demo was measured in."""
     if device != "cpu" or cpu_has_amx or cpu_has_avx512_bf16:
         return "bfloat16"
     return "float32"
 
 
 def slow_half_precision_hint(
-    device: str, target_dtype: str, cpu_has_amx: bool, cpu_has_avx512_bf16: bool
+    device: str,
+    target_dtype: str,
+    cpu_has_amx: bool,
+    cpu_has_avx512_bf16: bool,
+    rust_bf16_products: bool = False,
 ) -> str | None:
     """What to tell a user serving a bfloat16 or float16 target on a CPU without bf16 matrix instructions
-    (None elsewhere): there a half-precision linear layer costs in proportion to its rows (AVX2-only EPYC,
-    576 -> 1536: 80 us a row for 1 to 300 rows in float16, 120 in bfloat16; float32 3.8 ms for 300), so a
-    tree's verify costs several decode steps and the guard keeps DART on root-only steps, no faster than
-    plain. SGLang's `--dtype auto` also serves a float32 checkpoint in float16 on a CPU."""
+    (None elsewhere): there torch's half-precision linear layer costs in proportion to its rows (AVX2-only
+    EPYC, 576 -> 1536: 80 us a row for 1 to 300 rows in float16, 120 in bfloat16; float32 3.8 ms for 300),
+    so a tree's verify costs several decode steps and the guard keeps DART on root-only steps, no faster
+    than plain. Not for bf16 where the Rust product takes its linears (`rust_bf16_products`:
+    `skinny_gemm.bf16_kernel_pays`): its AVX2 kernel reads each weight once for all rows (run 119: guarded
+    DART 1.34x plain at batch 1). SGLang's `--dtype auto` also serves a float32 checkpoint in float16 on a
+    CPU."""
     dtype = target_dtype.removeprefix("torch.")
     if (
         dtype not in ("bfloat16", "float16")
         or fast_dtype(device, cpu_has_amx, cpu_has_avx512_bf16) != "float32"
+        or (dtype == "bfloat16" and rust_bf16_products)
     ):
         return None
     return (
@@ -289,6 +300,17 @@ def refuse_larger_store_vocabulary(store_vocab_size: int, target_vocab_size: int
         raise DartArgsError(
             f"3-gram store {store_path} has vocabulary {store_vocab_size} > target's {target_vocab_size}"
         )
+
+
+def draft_server_args(server_args: Any, target_dtype: Any) -> Any:
+    """A copy of the server arguments to build the drafter with: its --dtype is the target's, as loaded.
+    A drafter checkpoint whose config names no dtype (the shipped one, the trainer's) counts as float32,
+    and SGLang's `--dtype auto` serves a float32 config in float16: beside a bf16 target the drafter ran in
+    float16, which no CPU of ours computes natively (torch widens it per row; its 7-row head took 6.9 ms
+    against 1.1 for the Rust bf16 product on the AVX2 EPYC) and whose range is not the bf16 weights'."""
+    args = copy.deepcopy(server_args)
+    args.override(__name__, dtype=str(target_dtype).removeprefix("torch."))
+    return args
 
 
 def keep_the_drafter_unquantized(server_args: Any) -> None:

@@ -51,6 +51,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang.srt.utils.async_probe import sanitize_nan_logits
 
 from sglang_dart.attention.tree_attention import upload
+from sglang_dart.cpu import skinny_gemm
 from sglang_dart.cpu.greedy_walk import greedy_walk, walks_on_host
 from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import StepClock
@@ -72,6 +73,7 @@ from sglang_dart.dart.settings import (
     cpu_has_amx_bf16,
     cpu_has_avx512_bf16,
     draft_graphs_choice,
+    draft_server_args,
     pruner_config,
     refuse_larger_store_vocabulary,
     slow_half_precision_hint,
@@ -148,7 +150,11 @@ class DartWorker(NGRAMWorker):
         self.tree_sizes = tree_size_schedule(server_args, self.model_runner.dtype)
         logger.info("DART tree size by batch size: %s", self.tree_sizes.describe())
         hint = slow_half_precision_hint(
-            self.device, str(self.model_runner.dtype), cpu_has_amx_bf16(), cpu_has_avx512_bf16()
+            self.device,
+            str(self.model_runner.dtype),
+            cpu_has_amx_bf16(),
+            cpu_has_avx512_bf16(),
+            self.device == "cpu" and skinny_gemm.bf16_kernel_pays() and skinny_gemm.mode() == "auto",
         )
         if hint:
             logger.warning(hint)
@@ -210,7 +216,7 @@ class DartWorker(NGRAMWorker):
         # checkpoint's max_position_embeddings (often below the target's) is no limit.
         with envs.SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN.override(True):
             bundle = build_draft_tp_worker(
-                server_args=server_args,
+                server_args=draft_server_args(server_args, self.model_runner.dtype),
                 gpu_id=gpu_id,
                 ps=ps,
                 nccl_port=nccl_port,

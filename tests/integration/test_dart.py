@@ -459,16 +459,20 @@ def test_default_tree_sizes_follow_the_loaded_dtype(variant_servers):
         server.stop()
     assert len(out["output_ids"]) == 4
     assert f"DART tree size by batch size: {expected.describe()}\n" in log, expected.describe()
-    # bf16: the Rust product only where its kernel pays (AVX512-BF16, no AMX), and only in forwards that
-    # run torch on one thread, so torch's OpenMP workers keep their spinning (1.4x, run 20).
+    # bf16: the Rust product only where its kernel pays (AVX512-BF16 or AVX2, no AMX); torch's OpenMP
+    # workers keep their spinning (1.4x, run 20).
     from sglang_dart.cpu.skinny_gemm import bf16_kernel_pays
 
     linears = "on" if bf16_kernel_pays() else "off"
     assert f"Rust few-row linears {linears}; GOMP_SPINCOUNT unset" in log
-    # Where bf16 products are emulated (no AMX, no AVX512-BF16) the log says float32 serves DART faster.
-    from sglang_dart.dart.settings import fast_dtype_here
+    # Where bf16 products are emulated (no AMX, no AVX512-BF16, no Rust bf16 kernel) the log says float32
+    # serves DART faster.
+    from sglang_dart.dart.settings import slow_half_precision_hint
 
-    assert ("--dtype float32 is where DART speeds decoding up" in log) == (fast_dtype_here() == "float32")
+    hint = slow_half_precision_hint(
+        "cpu", "torch.bfloat16", cpu_has_amx_bf16(), cpu_has_avx512_bf16(), bf16_kernel_pays()
+    )
+    assert ("--dtype float32 is where DART speeds decoding up" in log) == (hint is not None)
 
 
 def test_openmp_spinning_is_off_for_a_float32_target(qwen3_dart):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import pytest
+import torch
 
 from sglang_dart.dart import gpu_contracts
 from sglang_dart.dart.settings import DartArgsError
@@ -290,3 +291,21 @@ def test_a_requests_row_holds_the_decode_reserve(assets, device):
     assert headroom >= get_alloc_reserve_per_decode(args) == 32
     plain = ServerArgs(model_path=str(assets.model), device="cpu")
     assert kv_cache_configurator.get_req_to_token_extra_context_len(plain) == 4
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_drafter_is_built_in_the_targets_dtype(assets, device):
+    """A drafter config naming no dtype counts as float32, which `--dtype auto` serves in float16: beside a
+    bf16 target the drafter ran in float16 (emulated on every CPU of ours). It is built in the target's."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_dart.dart.settings import draft_server_args
+
+    args = _cuda_server_args(assets) if device == "cuda" else _dart_server_args(assets, "cpu")
+    assert args.dtype == "auto"
+    as_sglang_would = ModelConfig.from_server_args(args, model_path=str(assets.draft), is_draft_model=True)
+    for target in (torch.bfloat16, torch.float32):
+        draft_args = draft_server_args(args, target)
+        config = ModelConfig.from_server_args(draft_args, model_path=str(assets.draft), is_draft_model=True)
+        assert config.dtype == target, (as_sglang_would.dtype, config.dtype)
+    assert args.dtype == "auto"  # the target's own arguments are untouched

@@ -161,6 +161,7 @@ def test_bf16_rust_form_gives_a_row_the_same_bits_whatever_the_other_rows(monkey
 @pytest.mark.parametrize("pays", [True, False])
 def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, one_torch_thread, pays):
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "bf16_rust_only", lambda: False)  # the timed choice's case
     monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: pays)
     weight = torch.randn(64, 32).bfloat16()
     # The forms offered, not a timed choice: where only torch's applies (no Rust bf16, and no oneDNN
@@ -173,6 +174,7 @@ def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, one_torc
 
 def test_bf16_rust_form_is_offered_only_while_torch_runs_on_one_thread(monkeypatch):
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "bf16_rust_only", lambda: False)  # the timed choice's case
     monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
     weight, x = torch.randn(64, 32).bfloat16(), torch.randn(8, 32).bfloat16()
     threads = torch.get_num_threads()
@@ -194,15 +196,55 @@ def test_bf16_rust_form_is_offered_only_while_torch_runs_on_one_thread(monkeypat
         torch.set_num_threads(threads)
 
 
-def test_bf16_kernel_is_offered_by_auto_where_the_cpu_has_avx512_bf16_and_no_amx():
-    from sglang_dart._core import SKINNY_BF16_NATIVE
+def test_bf16_kernel_is_offered_by_auto_where_the_cpu_has_a_vector_kernel_and_no_amx():
+    from sglang_dart._core import SKINNY_BF16_KERNEL, SKINNY_BF16_NATIVE
 
     flags = open("/proc/cpuinfo").read().split()
     assert SKINNY_BF16_NATIVE == ("avx512_bf16" in flags and "avx512f" in flags)
+    if SKINNY_BF16_NATIVE:
+        expected = "avx512-bf16"
+    elif "avx2" in flags and "fma" in flags:
+        expected = "avx2"
+    else:
+        expected = "portable"
+    assert SKINNY_BF16_KERNEL == expected
     # AMX by torch's own check (it also asks the kernel for the tile state), as the product does.
-    assert skinny_gemm.bf16_kernel_pays() == (SKINNY_BF16_NATIVE and not skinny_gemm._cpu_has_amx())
+    has_amx = skinny_gemm._cpu_has_amx()
+    assert skinny_gemm.bf16_kernel_pays() == (expected != "portable" and not has_amx)
+    assert skinny_gemm.bf16_rust_only() == (expected == "avx2" and not has_amx)
     if "amx_tile" not in flags:
-        assert not skinny_gemm._cpu_has_amx()
+        assert not has_amx
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_where_the_bf16_kernel_is_avx2_every_few_row_bf16_product_is_rust_s(monkeypatch, threads):
+    """Timed choices between torch and the widened AVX2 kernel split by row count (one row ties, eight
+    do not), so a token verified in a tree got other bits than decoded alone: there the Rust product is
+    the only form up to its row limit, whatever torch's thread count, and torch's beyond."""
+    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "SKINNY_BF16_KERNEL", "avx2")
+    monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
+    weight = torch.randn(64, 32).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 8, skinny_gemm.SKINNY_MATMUL_MAX_ROWS):
+            assert skinny_gemm.forms_for(rows, torch.randn(rows, 32).bfloat16(), weight) == ("rust",)
+        beyond = skinny_gemm.SKINNY_MATMUL_MAX_ROWS + 1
+        assert "rust" not in skinny_gemm.forms_for(beyond, torch.randn(beyond, 32).bfloat16(), weight)
+        # float32 keeps its timed choice
+        assert len(skinny_gemm.forms_for(8, torch.randn(8, 32), weight.float())) > 1
+        x = torch.randn(9, 32).bfloat16()
+        together = skinny_gemm.linear(x, weight)
+        assert torch.equal(together, skinny_gemm._rust(x, weight))  # untimed: no choice recorded
+        assert not skinny_gemm._choices
+        for row in range(9):
+            assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
+    finally:
+        torch.set_num_threads(previous)
+    # Another kernel, or a form set by hand, leaves the choice to timing / the setting.
+    monkeypatch.setattr(skinny_gemm, "SKINNY_BF16_KERNEL", "avx512-bf16")
+    assert not skinny_gemm.bf16_rust_only()
 
 
 def test_rust_product_rejects_mismatched_arrays():

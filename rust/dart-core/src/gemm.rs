@@ -140,8 +140,7 @@ fn check_lengths(
 fn columns_block(x: &[f32], w: &[f32], block: &mut [f32], rows: usize, k: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if avx2::available() {
             // SAFETY: `avx2::columns_block` needs AVX2 and FMA, both just detected on this CPU.
             unsafe { avx2::columns_block(x, w, block, rows, k) };
             return;
@@ -184,12 +183,72 @@ fn reduce_lanes(lanes: &[f32; LANES]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::{reduce_lanes, LANES, PREFETCH_L2_BYTES};
+    use crate::gemm_bf16::{bf16_to_f32, f32_to_bf16};
     use std::arch::x86_64::{
-        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+        __m128i, __m256, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_fmadd_ps,
+        _mm256_loadu_ps, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps, _mm_loadu_si128,
         _mm_prefetch, _MM_HINT_T1,
     };
+
+    /// Whether this CPU has what the tiles below need (AVX2 and FMA).
+    pub(crate) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// A weight (and output) element of the tiles: float32, or bf16 as its bits. The inputs are float32
+    /// either way (bf16 inputs are widened once per call, exactly), and so are the sums; a bf16 output is
+    /// the float32 sum rounded once, to nearest even.
+    pub(crate) trait Element: Copy {
+        /// Up to how many input rows a tile takes one weight row (`columns_block`).
+        const ONE_COLUMN_ROWS: usize;
+        /// 8 consecutive values at `ptr`, as float32 lanes.
+        ///
+        /// # Safety
+        /// `ptr..ptr + 8` must be readable values, and the CPU must have AVX2.
+        unsafe fn load8(ptr: *const Self) -> __m256;
+        fn to_f32(self) -> f32;
+        fn from_f32(value: f32) -> Self;
+    }
+
+    impl Element for f32 {
+        const ONE_COLUMN_ROWS: usize = ONE_COLUMN_ROWS;
+        #[inline(always)]
+        unsafe fn load8(ptr: *const f32) -> __m256 {
+            // SAFETY: the caller guarantees the 8 floats at `ptr` and AVX2 (a superset of AVX).
+            unsafe { _mm256_loadu_ps(ptr) }
+        }
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            self
+        }
+        #[inline(always)]
+        fn from_f32(value: f32) -> f32 {
+            value
+        }
+    }
+
+    impl Element for u16 {
+        const ONE_COLUMN_ROWS: usize = 4;
+        #[inline(always)]
+        unsafe fn load8(ptr: *const u16) -> __m256 {
+            // SAFETY: the caller guarantees the 16 bytes at `ptr` (unaligned loads are allowed) and AVX2.
+            // Widening bf16 bits to the upper half of 32-bit lanes is the exact float32 value.
+            unsafe {
+                let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(ptr.cast::<__m128i>()));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
+            }
+        }
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            bf16_to_f32(self)
+        }
+        #[inline(always)]
+        fn from_f32(value: f32) -> u16 {
+            f32_to_bf16(value)
+        }
+    }
 
     /// Up to this many input rows, a tile is one weight row and up to 8 input rows (8 accumulators): the
     /// product streams the weights once, in order, and is bound by memory.
@@ -204,18 +263,26 @@ mod avx2 {
     const WIDE_ROWS: usize = 4;
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn columns_block(x: &[f32], w: &[f32], block: &mut [f32], rows: usize, k: usize) {
+    pub(crate) fn columns_block<W: Element>(
+        x: &[f32],
+        w: &[W],
+        block: &mut [W],
+        rows: usize,
+        k: usize,
+    ) {
         let columns = w.len() / k;
         let mut first = 0;
         while first < columns {
             let (weights, out) = (&w[first * k..], &mut block[first * rows..]);
             first += match columns - first {
-                _ if rows <= ONE_COLUMN_ROWS => {
-                    column_tiles::<1, ONE_COLUMN_ROWS>(x, weights, out, rows, k)
+                _ if rows <= W::ONE_COLUMN_ROWS.min(ONE_COLUMN_ROWS) => {
+                    column_tiles::<W, 1, ONE_COLUMN_ROWS>(x, weights, out, rows, k)
                 }
-                WIDE_COLUMNS.. => column_tiles::<WIDE_COLUMNS, WIDE_ROWS>(x, weights, out, rows, k),
-                2 => column_tiles::<2, WIDE_ROWS>(x, weights, out, rows, k),
-                _ => column_tiles::<1, WIDE_ROWS>(x, weights, out, rows, k),
+                WIDE_COLUMNS.. => {
+                    column_tiles::<W, WIDE_COLUMNS, WIDE_ROWS>(x, weights, out, rows, k)
+                }
+                2 => column_tiles::<W, 2, WIDE_ROWS>(x, weights, out, rows, k),
+                _ => column_tiles::<W, 1, WIDE_ROWS>(x, weights, out, rows, k),
             };
         }
     }
@@ -223,10 +290,10 @@ mod avx2 {
     /// All input rows against the first C weight rows of `weights`, into `out` ([C, rows]), in tiles of
     /// at most ROWS input rows (8 or 4); returns C.
     #[target_feature(enable = "avx2,fma")]
-    fn column_tiles<const C: usize, const ROWS: usize>(
+    fn column_tiles<W: Element, const C: usize, const ROWS: usize>(
         x: &[f32],
-        weights: &[f32],
-        out: &mut [f32],
+        weights: &[W],
+        out: &mut [W],
         rows: usize,
         k: usize,
     ) -> usize {
@@ -237,14 +304,14 @@ mod avx2 {
             // vector three times and cost 16-22% more than 8 rows (the draft's head and MLP run at
             // 7 rows for trees of 8).
             first += match rows - first {
-                8.. if ROWS >= 8 => tile_dot::<8, C>(tile_x, weights, tile_out, rows, k),
-                7 if ROWS >= 8 => tile_dot::<7, C>(tile_x, weights, tile_out, rows, k),
-                6 if ROWS >= 8 => tile_dot::<6, C>(tile_x, weights, tile_out, rows, k),
-                5 if ROWS >= 8 => tile_dot::<5, C>(tile_x, weights, tile_out, rows, k),
-                4.. => tile_dot::<4, C>(tile_x, weights, tile_out, rows, k),
-                3 => tile_dot::<3, C>(tile_x, weights, tile_out, rows, k),
-                2 => tile_dot::<2, C>(tile_x, weights, tile_out, rows, k),
-                _ => tile_dot::<1, C>(tile_x, weights, tile_out, rows, k),
+                8.. if ROWS >= 8 => tile_dot::<W, 8, C>(tile_x, weights, tile_out, rows, k),
+                7 if ROWS >= 8 => tile_dot::<W, 7, C>(tile_x, weights, tile_out, rows, k),
+                6 if ROWS >= 8 => tile_dot::<W, 6, C>(tile_x, weights, tile_out, rows, k),
+                5 if ROWS >= 8 => tile_dot::<W, 5, C>(tile_x, weights, tile_out, rows, k),
+                4.. => tile_dot::<W, 4, C>(tile_x, weights, tile_out, rows, k),
+                3 => tile_dot::<W, 3, C>(tile_x, weights, tile_out, rows, k),
+                2 => tile_dot::<W, 2, C>(tile_x, weights, tile_out, rows, k),
+                _ => tile_dot::<W, 1, C>(tile_x, weights, tile_out, rows, k),
             };
         }
         C
@@ -254,10 +321,10 @@ mod avx2 {
     /// `out[c * stride + r]`; returns R. Each sum runs in the same order whatever R, C and the tile's
     /// place: 8 lanes along `k`, the lanes reduced in a fixed order, then the tail.
     #[target_feature(enable = "avx2,fma")]
-    fn tile_dot<const R: usize, const C: usize>(
+    fn tile_dot<W: Element, const R: usize, const C: usize>(
         x: &[f32],
-        weights: &[f32],
-        out: &mut [f32],
+        weights: &[W],
+        out: &mut [W],
         stride: usize,
         k: usize,
     ) -> usize {
@@ -271,11 +338,12 @@ mod avx2 {
                 _mm_prefetch::<_MM_HINT_T1>(
                     weights
                         .as_ptr()
-                        .wrapping_add(c * k + start + PREFETCH_L2_BYTES / size_of::<f32>())
+                        .wrapping_add(c * k + start + PREFETCH_L2_BYTES / size_of::<W>())
                         .cast(),
                 );
-                // SAFETY: c * k + start + LANES <= c * k + body <= C * k <= weights.len() (asserted).
-                *wv_c = unsafe { _mm256_loadu_ps(weights.as_ptr().add(c * k + start)) };
+                // SAFETY: c * k + start + LANES <= c * k + body <= C * k <= weights.len() (asserted);
+                // AVX2 is enabled here.
+                *wv_c = unsafe { W::load8(weights.as_ptr().add(c * k + start)) };
             }
             for r in 0..R {
                 // SAFETY: r * k + start + LANES <= (r + 1) * k <= R * k <= x.len() (asserted above).
@@ -293,9 +361,9 @@ mod avx2 {
                 unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_r) };
                 let mut sum = reduce_lanes(&lanes);
                 for i in body..k {
-                    sum = column[i].mul_add(x[r * k + i], sum);
+                    sum = column[i].to_f32().mul_add(x[r * k + i], sum);
                 }
-                out[c * stride + r] = sum;
+                out[c * stride + r] = W::from_f32(sum);
             }
         }
         R

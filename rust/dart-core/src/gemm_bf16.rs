@@ -10,8 +10,13 @@
 //! Every output element is computed by the same sequence of operations whatever the number of rows and
 //! wherever its row falls in a tile, so a row's result does not depend on the other rows of the call: a
 //! token gets bit-identical linears whether it is verified in a tree of 8 or decoded alone.
-//! Without AVX512-BF16 a portable path computes the same products (float32 sums in another order); it
-//! exists for correctness, not speed (`native_kernel` says which one runs).
+//! Without AVX512-BF16 but with AVX2 and FMA (AVX2-only EPYCs, AVX-512 Xeons before Cooper Lake) the
+//! float32 product's AVX2 tiles run it: the input rows widened to float32 once per call, each weight
+//! vector as it is loaded (exact both), float32 sums rounded once. There torch's bf16 linears cost in
+//! proportion to their rows (all of SmolLM2-135M's linears and its lm_head on the 2-core AVX2 EPYC: 17-21
+//! ms for one row, 116-143 for 8), these 16-21 and 26-37 ms (`benchmarks/results/throughput.md`, run
+//! 119). Elsewhere a portable path computes the same products; it exists for correctness, not speed
+//! (`kernel_name` says which one runs).
 
 #[cfg(test)]
 use crate::gemm::MAX_ROWS;
@@ -31,6 +36,21 @@ pub fn native_kernel() -> bool {
     {
         false
     }
+}
+
+/// Which kernel the bf16 product runs here: `avx512-bf16` (dot products in bf16), `avx2` (the float32
+/// product's tiles, each weight widened to float32 as it is loaded) or `portable`.
+pub fn kernel_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if native_kernel() {
+            return "avx512-bf16";
+        }
+        if crate::gemm::avx2::available() {
+            return "avx2";
+        }
+    }
+    "portable"
 }
 
 /// bf16 bits to float32 (exact).
@@ -62,6 +82,10 @@ pub fn skinny_matmul_bf16(
     n: usize,
 ) -> Result<(), GemmError> {
     let native = native_kernel();
+    #[cfg(target_arch = "x86_64")]
+    if !native && crate::gemm::avx2::available() {
+        return widened_product(x, w, out, rows, k, n);
+    }
     blocked_product(x, w, out, rows, k, n, &|weights, block| {
         #[cfg(target_arch = "x86_64")]
         if native {
@@ -78,6 +102,24 @@ pub fn skinny_matmul_bf16(
         }
         let _ = native;
         portable_block(x, weights, block, rows, k);
+    })
+}
+
+/// The product on the float32 tiles (AVX2 and FMA, which the caller checked), the inputs widened to
+/// float32 once (exact), not in every tile that reads them.
+#[cfg(target_arch = "x86_64")]
+fn widened_product(
+    x: &[u16],
+    w: &[u16],
+    out: &mut [u16],
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<(), GemmError> {
+    let wide: Vec<f32> = x.iter().map(|&bits| bf16_to_f32(bits)).collect();
+    blocked_product(x, w, out, rows, k, n, &|weights, block| {
+        // SAFETY: `gemm::avx2::columns_block` needs AVX2 and FMA, which the caller detected.
+        unsafe { crate::gemm::avx2::columns_block(&wide, weights, block, rows, k) }
     })
 }
 
@@ -358,6 +400,51 @@ mod tests {
                 let mut alone = vec![0u16; n];
                 skinny_matmul_bf16(&x[m * k..(m + 1) * k], &w, &mut alone, 1, k, n).unwrap();
                 assert_eq!(alone, all[m * n..(m + 1) * n].to_vec(), "row {m} of {rows}");
+            }
+        }
+    }
+
+    /// The AVX2 path on its own (the public function takes the AVX512-BF16 kernel where there is one):
+    /// close to the reference, and a row's bits do not depend on the call's other rows.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_widened_avx2_path_matches_the_reference_and_keeps_rows_apart() {
+        if !crate::gemm::avx2::available() {
+            return;
+        }
+        for (rows, k, n) in [
+            (1, 32, 3),
+            (3, 45, 70),
+            (8, 576, 130),
+            (13, 100, 65),
+            (64, 64, 5),
+        ] {
+            let (x, w) = (values(rows * k, 1), values(n * k, 2));
+            let mut out = vec![0u16; rows * n];
+            widened_product(&x, &w, &mut out, rows, k, n).unwrap();
+            for (got, want) in out.iter().zip(reference(&x, &w, rows, k, n)) {
+                let got = bf16_to_f32(*got) as f64;
+                let tolerance = want.abs() / 256.0 + 1e-4 * (k as f64).sqrt();
+                assert!((got - want).abs() <= tolerance, "{got} vs {want}");
+            }
+        }
+        // 1-4 rows: one weight row per tile; from 5: tiles of 3 weight rows and 4 inputs, with 1 or 2
+        // weight rows left over (n = 200, 131) and a tail past the 8-lane body (k = 100).
+        for (k, n) in [(96, 200), (100, 131)] {
+            let x = values(16 * k, 3);
+            let w = values(n * k, 4);
+            for rows in [2, 3, 4, 5, 7, 8, 9, 16] {
+                let mut all = vec![0u16; rows * n];
+                widened_product(&x[..rows * k], &w, &mut all, rows, k, n).unwrap();
+                for m in 0..rows {
+                    let mut alone = vec![0u16; n];
+                    widened_product(&x[m * k..(m + 1) * k], &w, &mut alone, 1, k, n).unwrap();
+                    assert_eq!(
+                        alone,
+                        all[m * n..(m + 1) * n].to_vec(),
+                        "row {m} of {rows}, k {k}"
+                    );
+                }
             }
         }
     }

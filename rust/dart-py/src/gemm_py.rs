@@ -78,6 +78,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SKINNY_MATMUL_MAX_ROWS", gemm::MAX_ROWS)?;
     // Whether the bf16 product runs its AVX512-BF16 kernel here (else a slow portable path).
     m.add("SKINNY_BF16_NATIVE", gemm_bf16::native_kernel())?;
+    // Which kernel that is: `avx512-bf16`, `avx2` (widened to float32) or `portable` (slow).
+    m.add("SKINNY_BF16_KERNEL", gemm_bf16::kernel_name())?;
     m.add_function(wrap_pyfunction!(skinny_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(skinny_matmul_bf16, m)?)
 }
