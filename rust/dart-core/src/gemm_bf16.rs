@@ -105,8 +105,8 @@ pub fn skinny_matmul_bf16(
     })
 }
 
-/// The product on the float32 tiles (AVX2 and FMA, which the caller checked), the inputs widened to
-/// float32 once (exact), not in every tile that reads them.
+/// The product on the float32 tiles (AVX2 and FMA: the caller checks, this asserts), the inputs widened
+/// to float32 once (exact), not in every tile that reads them.
 #[cfg(target_arch = "x86_64")]
 fn widened_product(
     x: &[u16],
@@ -116,9 +116,13 @@ fn widened_product(
     k: usize,
     n: usize,
 ) -> Result<(), GemmError> {
+    assert!(
+        crate::gemm::avx2::available(),
+        "the widened bf16 product needs AVX2 and FMA"
+    );
     let wide: Vec<f32> = x.iter().map(|&bits| bf16_to_f32(bits)).collect();
     blocked_product(x, w, out, rows, k, n, &|weights, block| {
-        // SAFETY: `gemm::avx2::columns_block` needs AVX2 and FMA, which the caller detected.
+        // SAFETY: `gemm::avx2::columns_block` needs AVX2 and FMA, asserted above.
         unsafe { crate::gemm::avx2::columns_block(&wide, weights, block, rows, k) }
     })
 }
@@ -363,8 +367,12 @@ mod tests {
         }
     }
 
-    #[test]
-    fn matches_a_float64_reference_for_every_tile_split() {
+    /// A bf16 product as the tests call it: (x, w, out, rows, k, n).
+    type Product = fn(&[u16], &[u16], &mut [u16], usize, usize, usize) -> Result<(), GemmError>;
+
+    /// Within one bf16 rounding of the result (2^-8 relative) plus float32 summation error of a float64
+    /// reference, for every tile split.
+    fn assert_matches_the_reference(product: Product) {
         for (rows, k, n) in [
             (1, 32, 3),
             (3, 45, 70),
@@ -375,14 +383,37 @@ mod tests {
         ] {
             let (x, w) = (values(rows * k, 1), values(n * k, 2));
             let mut out = vec![0u16; rows * n];
-            skinny_matmul_bf16(&x, &w, &mut out, rows, k, n).unwrap();
+            product(&x, &w, &mut out, rows, k, n).unwrap();
             for (got, want) in out.iter().zip(reference(&x, &w, rows, k, n)) {
                 let got = bf16_to_f32(*got) as f64;
-                // One bf16 rounding of the result (2^-8 relative) plus float32 summation error.
                 let tolerance = want.abs() / 256.0 + 1e-4 * (k as f64).sqrt();
                 assert!((got - want).abs() <= tolerance, "{got} vs {want}");
             }
         }
+    }
+
+    /// Each row of a call of `rows` rows has the bits of the same row computed alone.
+    fn assert_rows_keep_their_bits(product: Product, k: usize, n: usize, rows: &[usize]) {
+        let x = values(16 * k, 3);
+        let w = values(n * k, 4);
+        for &rows in rows {
+            let mut all = vec![0u16; rows * n];
+            product(&x[..rows * k], &w, &mut all, rows, k, n).unwrap();
+            for m in 0..rows {
+                let mut alone = vec![0u16; n];
+                product(&x[m * k..(m + 1) * k], &w, &mut alone, 1, k, n).unwrap();
+                assert_eq!(
+                    alone,
+                    all[m * n..(m + 1) * n].to_vec(),
+                    "row {m} of {rows}, k {k}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn matches_a_float64_reference_for_every_tile_split() {
+        assert_matches_the_reference(skinny_matmul_bf16);
     }
 
     #[test]
@@ -390,62 +421,26 @@ mod tests {
         // An odd number of weight rows and a k with a tail: paired and single weight rows, every tile
         // split (2-8 rows: one tile; 9 rows: 8 + 1; 13: 8 + 5; 15: 8 + 7; 16: 8 + 8) against the row
         // alone.
-        let (k, n) = (100, 201);
-        let x = values(16 * k, 3);
-        let w = values(n * k, 4);
-        for rows in [2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16] {
-            let mut all = vec![0u16; rows * n];
-            skinny_matmul_bf16(&x[..rows * k], &w, &mut all, rows, k, n).unwrap();
-            for m in 0..rows {
-                let mut alone = vec![0u16; n];
-                skinny_matmul_bf16(&x[m * k..(m + 1) * k], &w, &mut alone, 1, k, n).unwrap();
-                assert_eq!(alone, all[m * n..(m + 1) * n].to_vec(), "row {m} of {rows}");
-            }
-        }
+        assert_rows_keep_their_bits(
+            skinny_matmul_bf16,
+            100,
+            201,
+            &[2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16],
+        );
     }
 
-    /// The AVX2 path on its own (the public function takes the AVX512-BF16 kernel where there is one):
-    /// close to the reference, and a row's bits do not depend on the call's other rows.
+    /// The AVX2 path on its own (the public function takes the AVX512-BF16 kernel where there is one).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_widened_avx2_path_matches_the_reference_and_keeps_rows_apart() {
         if !crate::gemm::avx2::available() {
             return;
         }
-        for (rows, k, n) in [
-            (1, 32, 3),
-            (3, 45, 70),
-            (8, 576, 130),
-            (13, 100, 65),
-            (64, 64, 5),
-        ] {
-            let (x, w) = (values(rows * k, 1), values(n * k, 2));
-            let mut out = vec![0u16; rows * n];
-            widened_product(&x, &w, &mut out, rows, k, n).unwrap();
-            for (got, want) in out.iter().zip(reference(&x, &w, rows, k, n)) {
-                let got = bf16_to_f32(*got) as f64;
-                let tolerance = want.abs() / 256.0 + 1e-4 * (k as f64).sqrt();
-                assert!((got - want).abs() <= tolerance, "{got} vs {want}");
-            }
-        }
+        assert_matches_the_reference(widened_product);
         // 1-4 rows: one weight row per tile; from 5: tiles of 3 weight rows and 4 inputs, with 1 or 2
         // weight rows left over (n = 200, 131) and a tail past the 8-lane body (k = 100).
         for (k, n) in [(96, 200), (100, 131)] {
-            let x = values(16 * k, 3);
-            let w = values(n * k, 4);
-            for rows in [2, 3, 4, 5, 7, 8, 9, 16] {
-                let mut all = vec![0u16; rows * n];
-                widened_product(&x[..rows * k], &w, &mut all, rows, k, n).unwrap();
-                for m in 0..rows {
-                    let mut alone = vec![0u16; n];
-                    widened_product(&x[m * k..(m + 1) * k], &w, &mut alone, 1, k, n).unwrap();
-                    assert_eq!(
-                        alone,
-                        all[m * n..(m + 1) * n].to_vec(),
-                        "row {m} of {rows}, k {k}"
-                    );
-                }
-            }
+            assert_rows_keep_their_bits(widened_product, k, n, &[2, 3, 4, 5, 7, 8, 9, 16]);
         }
     }
 
