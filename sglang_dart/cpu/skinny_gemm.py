@@ -155,7 +155,12 @@ def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _size_rust_team()
     out = x.new_empty(x.shape[0], weight.shape[0])
     if x.dtype == torch.bfloat16:
-        skinny_matmul_bf16(_bf16_bits(x.contiguous()), _bf16_bits(weight.detach()), _bf16_bits(out))
+        x, weight_bits = x.contiguous(), _bf16_bits(weight.detach())
+        # Past the product's row limit (prefill, `bf16_rust_only`) in blocks of rows: a row's bits do not
+        # depend on the others.
+        for first in range(0, x.shape[0], SKINNY_MATMUL_MAX_ROWS):
+            block = slice(first, first + SKINNY_MATMUL_MAX_ROWS)
+            skinny_matmul_bf16(_bf16_bits(x[block]), weight_bits, _bf16_bits(out[block]))
     else:
         skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
     return out
@@ -184,12 +189,13 @@ def rust_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def bf16_rust_only() -> bool:
-    """Whether `auto` gives every bf16 product the Rust one can take to Rust, untimed and whatever torch's
-    thread count: where its kernel is AVX2 (no bf16 instructions). There torch's bf16 product costs in
-    proportion to its rows (8 rows 4-5x the Rust one's time) while one row ties, so timed choices picked
-    torch for some row counts and Rust for others, and a token verified in a tree got other bits than
-    decoded alone: greedy output unlike plain decoding's (7 chat prompts, 128 tokens: 5 differed). The
-    Rust product gives a row the same bits whatever the call's other rows."""
+    """Whether `auto` gives every bf16 product to Rust, untimed, whatever its rows and torch's thread count:
+    where its kernel is AVX2 (no bf16 instructions). There torch's bf16 product costs in proportion to its
+    rows (8 rows 4-5x the Rust one's time) while one row ties, so timed choices picked torch for some row
+    counts and Rust for others, and a token verified in a tree got other bits than decoded alone: greedy
+    output unlike plain decoding's (7 chat prompts, 128 tokens: 5 differed). The Rust product gives a row
+    the same bits whatever the call's other rows; past 64 rows it runs in blocks, which also cut the time
+    to first token 2.0-4.3x against torch's (`benchmarks/results/throughput.md`, run 119)."""
     return SKINNY_BF16_KERNEL == "avx2" and mode() == "auto" and bf16_kernel_pays()
 
 
@@ -300,14 +306,15 @@ def forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ..
     rust_takes = (
         weight.dtype == x.dtype
         and weight.dtype in rust_dtypes()
-        and rows <= SKINNY_MATMUL_MAX_ROWS
         and weight.is_contiguous()
         # The Rust product has no backward: training (the drafter's) stays with torch.
         and not training
     )
     if rust_takes and weight.dtype == torch.bfloat16 and bf16_rust_only():
-        return ("rust",)
-    rust_fits = rust_takes and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
+        return ("rust",)  # any number of rows (`_rust` takes them in blocks)
+    rust_fits = (
+        rust_takes and rows <= SKINNY_MATMUL_MAX_ROWS and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
+    )
     if rows > MAX_ROWS:
         return ("torch", "packed") if packed_fits else ("torch",)
     one_row = ("torch", *(("rust",) if rust_fits else ()), *(("packed",) if packed_fits else ()))
@@ -366,7 +373,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias), in the faster form for this CPU, shape and row count."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     current = mode()
-    if not (1 <= rows <= PACKED_MAX_ROWS) or x.device.type != "cpu" or current == "torch":
+    if rows < 1 or x.device.type != "cpu" or current == "torch":
+        return F.linear(x, weight, bias)
+    if rows > PACKED_MAX_ROWS and not (x.dtype == torch.bfloat16 and bf16_rust_only()):
         return F.linear(x, weight, bias)
     forms = forms_for(rows, x, weight)
     if forms == ("torch",):  # nothing else applies (more rows than the few-row forms take)

@@ -32,7 +32,10 @@ def _every_bucket_decided(weight: torch.Tensor) -> None:
 def test_every_bucket_is_decided_before_the_first_call(dtype):
     weights = [torch.randn(48, 40, dtype=dtype) for _ in range(3)] + [torch.randn(24, 40, dtype=dtype)]
     counts = gemm_tuning.tune_weights(weights)
-    assert sum(counts.values()) == len(skinny_gemm._choices) > 0
+    if dtype == torch.bfloat16 and skinny_gemm.bf16_rust_only():
+        assert sum(counts.values()) == len(skinny_gemm._choices) == 0  # every bf16 product is Rust's
+    else:
+        assert sum(counts.values()) == len(skinny_gemm._choices) > 0
     for weight in weights:
         _every_bucket_decided(weight)
 

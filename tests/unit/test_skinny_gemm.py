@@ -220,7 +220,7 @@ def test_bf16_kernel_is_offered_by_auto_where_the_cpu_has_a_vector_kernel_and_no
 def test_where_the_bf16_kernel_is_avx2_every_few_row_bf16_product_is_rust_s(monkeypatch, threads):
     """Timed choices between torch and the widened AVX2 kernel split by row count (one row ties, eight
     do not), so a token verified in a tree got other bits than decoded alone: there the Rust product is
-    the only form up to its row limit, whatever torch's thread count, and torch's beyond."""
+    the only form, whatever the rows (in blocks past its limit) and torch's thread count."""
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
     monkeypatch.setattr(skinny_gemm, "SKINNY_BF16_KERNEL", "avx2")
     monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
@@ -228,18 +228,19 @@ def test_where_the_bf16_kernel_is_avx2_every_few_row_bf16_product_is_rust_s(monk
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 2, 8, skinny_gemm.SKINNY_MATMUL_MAX_ROWS):
+        for rows in (1, 2, 8, skinny_gemm.SKINNY_MATMUL_MAX_ROWS, 65, 600):
             assert skinny_gemm.forms_for(rows, torch.randn(rows, 32).bfloat16(), weight) == ("rust",)
-        beyond = skinny_gemm.SKINNY_MATMUL_MAX_ROWS + 1
-        assert "rust" not in skinny_gemm.forms_for(beyond, torch.randn(beyond, 32).bfloat16(), weight)
         # float32 keeps its timed choice
         assert len(skinny_gemm.forms_for(8, torch.randn(8, 32), weight.float())) > 1
-        x = torch.randn(9, 32).bfloat16()
+        # 600 rows: past the product's 64-row limit and past the few-row forms' reach, in blocks of 64
+        x = torch.randn(600, 32).bfloat16()
         together = skinny_gemm.linear(x, weight)
-        assert torch.equal(together, skinny_gemm._rust(x, weight))  # untimed: no choice recorded
-        assert not skinny_gemm._choices
-        for row in range(9):
+        exact = F.linear(x.float(), weight.float())
+        torch.testing.assert_close(together.float(), exact, rtol=2**-7, atol=1e-2)
+        assert not skinny_gemm._choices  # untimed: no choice recorded
+        for row in (0, 1, 63, 64, 65, 300, 599):
             assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
+        assert torch.equal(skinny_gemm.linear(x[:9], weight), together[:9])
     finally:
         torch.set_num_threads(previous)
     # Another kernel, or a form set by hand, leaves the choice to timing / the setting.
