@@ -315,8 +315,8 @@ def forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ..
     rust_fits = (
         rust_takes and rows <= SKINNY_MATMUL_MAX_ROWS and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
     )
-    if rows > MAX_ROWS:
-        return ("torch", "packed") if packed_fits else ("torch",)
+    if rows > MAX_ROWS:  # (past PACKED_MAX_ROWS only where `bf16_rust_only` let `linear` ask)
+        return ("torch", "packed") if packed_fits and rows <= PACKED_MAX_ROWS else ("torch",)
     one_row = ("torch", *(("rust",) if rust_fits else ()), *(("packed",) if packed_fits else ()))
     # (W @ x.T).T is F.linear's own call for one row
     return one_row if rows == 1 else (*one_row[:1], "transposed", *one_row[1:])
