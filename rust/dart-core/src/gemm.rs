@@ -275,7 +275,7 @@ pub(crate) mod avx2 {
         while first < columns {
             let (weights, out) = (&w[first * k..], &mut block[first * rows..]);
             first += match columns - first {
-                _ if rows <= W::ONE_COLUMN_ROWS.min(ONE_COLUMN_ROWS) => {
+                _ if rows <= W::ONE_COLUMN_ROWS => {
                     column_tiles::<W, 1, ONE_COLUMN_ROWS>(x, weights, out, rows, k)
                 }
                 WIDE_COLUMNS.. => {
