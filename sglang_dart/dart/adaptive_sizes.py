@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from sglang_dart.dart.request_acceptance import RequestAcceptance
@@ -188,10 +188,13 @@ class AdaptiveTreeSizes:
         """The size the next step of a batch this large should verify (one call per step: it counts)."""
         return self.plan(batch_size).size
 
-    def plan(self, batch_size: int, requests: Sequence[str] = ()) -> PlannedSize:
+    def plan(
+        self, batch_size: int, requests: Sequence[str] = (), copying: Collection[str] = ()
+    ) -> PlannedSize:
         """`size_for`, and whether that step is a probe. The flag travels with the step to `record`, so a
         planned probe that never ran (a prefill came between, or the step fell back to the root alone)
-        leaves nothing behind. `requests` (the batch's rids) count only for the guard."""
+        leaves nothing behind. `requests` (the batch's rids) and those of them `copying` an earlier passage
+        of their own count only for the guard."""
         bucket = self._bucket(batch_size)
         bucket.steps += 1
         # Largest first: it shows at once whether trees pay here at all.
@@ -302,11 +305,14 @@ class GuardedTreeSizes(AdaptiveTreeSizes):
     def candidates(self, smallest_batch: int) -> tuple[int, ...]:
         return (1, self.schedule.size_for(smallest_batch))
 
-    def plan(self, batch_size: int, requests: Sequence[str] = ()) -> PlannedSize:
+    def plan(
+        self, batch_size: int, requests: Sequence[str] = (), copying: Collection[str] = ()
+    ) -> PlannedSize:
         """The bucket's plan, then judged for these requests: their own acceptance so far
-        (`request_acceptance.py`) scales the drafts the bucket's tree is expected to add, so a request
-        whose drafts are poor runs root-only steps while the traffic around it runs trees, and one whose
-        drafts are good runs trees where the traffic does not. Probes and the warm-up stay as planned."""
+        (`request_acceptance.py`; at least the traffic's for those `copying`) scales the drafts the
+        bucket's tree is expected to add, so a request whose drafts are poor runs root-only steps while
+        the traffic around it runs trees, and one whose drafts are good runs trees where the traffic does
+        not. Probes and the warm-up stay as planned."""
         planned = super().plan(batch_size)
         bucket = self._bucket(batch_size)
         tree = max(bucket.stats)
@@ -316,7 +322,7 @@ class GuardedTreeSizes(AdaptiveTreeSizes):
         if min(tree_stats.samples, root_stats.samples) < self.warmup:  # sampled times are > 0 (`record`)
             return planned
         expected = tree_stats.tokens - 1.0
-        share = self.acceptance.factor(requests, expected)
+        share = self.acceptance.factor(requests, expected, copying)
         tree_rate = (1.0 + expected * share) / tree_stats.seconds
         root_rate = root_stats.rate
         if planned.size == tree and tree_rate * (1 + SWITCH_MARGIN) < root_rate:

@@ -12,11 +12,17 @@ dozen must. Their ratio says how this request compares with the traffic. (A prio
 afresh at every read never faded, while the decay caps a request's own steps at ~50: a request accepting a
 tenth of the traffic's drafts stayed judged at a fifth of it or more, and ran trees costing 1.3 plain
 steps that lost it 10-15%.)
+
+A request whose latest tokens repeat an earlier passage of its own (quoting, translating line by line,
+editing code: `ContextIndex.match_lens` of COPYING_MATCH or more) is judged at least as the traffic is,
+whatever its history: its context chain is then likely right, and a request that opened in its own words
+and then turns to copying would otherwise wait for a recheck, up to 64 steps, to show it. (Trees of 8
+forced on 9 chat prompts: steps after a match of 8 accepted 4.2 drafts, none of them nothing; the rest 0.9.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from sglang_dart.dart.progress import forget_all_but
@@ -28,6 +34,7 @@ PRIOR_DRAFTS = 5.0
 # Each tree step multiplies a request's sums by this: ~50 recent steps speak for it, so a request whose
 # answer moves from boilerplate to new ground (or back) is judged on where it is now.
 DECAY = 0.98
+COPYING_MATCH = 8
 
 
 @dataclass
@@ -54,15 +61,17 @@ class RequestAcceptance:
             sums.accepted = sums.accepted * self.decay + max(emitted - 1, 0)
             sums.expected = sums.expected * self.decay + expected_drafts
 
-    def factor(self, rids: Sequence[str], expected_drafts: float) -> float:
+    def factor(self, rids: Sequence[str], expected_drafts: float, copying: Collection[str] = ()) -> float:
         """How many of the bucket's expected drafts these requests will accept, as a share (1 = as the
-        traffic does; the mean over requests, 1 for those without tree steps yet)."""
+        traffic does; the mean over requests, 1 for those without tree steps yet, at least 1 for those
+        `copying`)."""
         if not rids or expected_drafts <= 0:
             return 1.0
         total = 0.0
         for rid in rids:
             sums = self._by_rid.get(rid)
-            total += 1.0 if sums is None else sums.accepted / sums.expected
+            share = 1.0 if sums is None else sums.accepted / sums.expected
+            total += max(share, 1.0) if rid in copying else share
         return total / len(rids)
 
     def keep_only(self, rids: Iterable[str]) -> None:

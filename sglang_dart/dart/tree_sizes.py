@@ -13,7 +13,7 @@ every batch size. Sizes above --speculative-num-draft-tokens are capped at it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -70,7 +70,9 @@ class TreeSizeSchedule:
     def size_for(self, batch_size: int) -> int:
         return self.sizes[bisect.bisect_right(self.min_batches, max(batch_size, 1)) - 1]
 
-    def plan(self, batch_size: int, requests: Sequence[str] = ()) -> PlannedSize:
+    def plan(
+        self, batch_size: int, requests: Sequence[str] = (), copying: Collection[str] = ()
+    ) -> PlannedSize:
         """The next step's size (a fixed schedule never probes nor weighs requests)."""
         return PlannedSize(self.size_for(batch_size))
 

@@ -54,12 +54,13 @@ from sglang_dart.attention.tree_attention import upload
 from sglang_dart.cpu import skinny_gemm, small_step_threads
 from sglang_dart.cpu.greedy_walk import greedy_walk, walks_on_host
 from sglang_dart.dart import host_reads
-from sglang_dart.dart.adaptive_sizes import StepClock
+from sglang_dart.dart.adaptive_sizes import GuardedTreeSizes, StepClock
 from sglang_dart.dart.device_graphs import DeviceGraphs
 from sglang_dart.dart.drafting import DraftForward, Drafting, UnsettledStep, VerifiedStep
 from sglang_dart.dart.penalties import apply_node_penalties, penalized
 from sglang_dart.dart.phase_timer import PhaseTimer
 from sglang_dart.dart.progress import RequestProgress
+from sglang_dart.dart.request_acceptance import COPYING_MATCH
 from sglang_dart.dart.sampling import (
     apply_custom_processors,
     needs_pinning,
@@ -367,10 +368,21 @@ class DartWorker(NGRAMWorker):
         """The drafting phase after a verify: the next step's size is chosen now, and a root-only step
         needs no draft forward (a tree of N nodes past its root is at most N deep). The step's results and
         candidates reach the host at the next step's start (`_settle`)."""
-        self._planned = self.tree_sizes.plan(len(batch.reqs), _rids(batch.reqs))
+        rids = _rids(batch.reqs)
+        self._planned = self.tree_sizes.plan(len(batch.reqs), rids, self._copying(rids))
         depths = self._planned.size - 1 if self._planned.size > 1 else None
         drafted = self.drafting.after_verify(batch, taps, step, depths)
         self._unsettled = (drafted, started, size, self._step_probe)
+
+    def _copying(self, rids: list[str]) -> frozenset[str]:
+        """The requests whose latest tokens repeat an earlier passage of their own (the guard runs their
+        trees whatever their drafts so far: `request_acceptance.COPYING_MATCH`). None without context
+        chains, nor for a schedule that does not weigh requests."""
+        context = self.progress.context
+        if context is None or not isinstance(self.tree_sizes, GuardedTreeSizes):
+            return frozenset()
+        lens = context.match_lens(rids, COPYING_MATCH)
+        return frozenset(rid for rid, n in zip(rids, lens, strict=True) if n >= COPYING_MATCH)
 
     def _settle(self) -> None:
         """The last decode step's one read: its results and candidates on the host, and the host's state

@@ -461,6 +461,28 @@ def test_rechecks_of_a_held_request_are_spaced_by_what_they_lose():
     assert speed[0.08] > 0.93
 
 
+def test_a_held_request_that_turns_to_copying_runs_trees_at_once():
+    """A request held at the root alone for its poor drafts, whose latest tokens then repeat an earlier
+    passage of its own (`copying`, from the worker's context index), runs trees from that step on: it need
+    not wait up to MAX_RECHECK_GAP steps for a recheck to show its chain."""
+    chooser = _guarded("1:8")
+    rng = random.Random(0)
+    for rid, acceptance in enumerate([0.7] * 3 + [0.05]):
+        for _ in range(90):
+            size, probe = chooser.plan(1, [str(rid)])
+            tokens = 1
+            while size > 1 and tokens < size and rng.random() < acceptance:
+                tokens += 1
+            chooser.record(1, size, (1.6 if size > 1 else 1.0) * rng.uniform(0.95, 1.05), tokens, probe)
+            chooser.record_requests(1, size, [str(rid)], [tokens])
+        if rid < 3:
+            chooser.keep_requests([])
+    held = [chooser.plan(1, ["3"]) for _ in range(MAX_RECHECK_GAP - 1)]
+    assert sum(plan.size > 1 and not plan.probe for plan in held) <= 3  # rechecks
+    copying = [chooser.plan(1, ["3"], copying={"3"}) for _ in range(10)]
+    assert all(plan.size == 8 for plan in copying if not plan.probe)
+
+
 @pytest.mark.parametrize("acceptance", [0.5, 0.3, 0.15])
 def test_weighing_requests_costs_nothing_when_they_are_alike(acceptance):
     """Traffic whose requests all draft alike (trees paying 1.5x, 1.08x, or not at all at 1.3x a plain

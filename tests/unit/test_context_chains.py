@@ -53,6 +53,34 @@ def test_index_matches_the_reference_on_random_sequences() -> None:
         assert got == want + [-1] * (width - len(want)), (seq, width)
 
 
+def reference_match_len(seq: list[int], cap: int) -> int:
+    """How far back the latest earlier occurrence of the longest recurring suffix (4, 3 or 2 tokens)
+    matches the sequence's end, at most `cap`."""
+    for n in range(min(4, len(seq)), 1, -1):
+        suffix = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start : start + n] == suffix:
+                end, matched = start + n, n
+                while matched < min(cap, end) and seq[end - 1 - matched] == seq[-1 - matched]:
+                    matched += 1
+                return min(matched, cap)
+    return 0
+
+
+def test_match_lens_match_the_reference_on_random_sequences() -> None:
+    rnd = random.Random(11)
+    index = ContextIndex()
+    for case in range(400):
+        vocab = rnd.choice([2, 3, 5, 50])
+        seq = [rnd.randrange(vocab) for _ in range(rnd.randint(0, 60))]
+        if seq and rnd.random() < 0.3:  # a passage copied: its end matches far back
+            seq += seq[: rnd.randint(1, len(seq))]
+        index.set(f"r{case}", seq)
+        cap = rnd.randint(1, 20)
+        assert index.match_lens([f"r{case}"], cap) == [reference_match_len(seq, cap)], (seq, cap)
+    assert index.match_lens(["unknown"], 8) == [0]
+
+
 def test_index_set_continues_or_restarts_and_forgets() -> None:
     index = ContextIndex()
     index.set("a", [1, 2, 3, 9, 1, 2])

@@ -83,3 +83,15 @@ def test_requests_that_left_the_batch_are_forgotten():
     assert acceptance.factor(["a"], 1.0) == 1.0  # a new request of the same id starts afresh
     with pytest.raises(ValueError):  # one count per request, or the step is misread
         acceptance.add(["a", "b"], [1], 1.0)
+
+
+def test_a_request_copying_its_own_context_is_judged_at_least_as_the_traffic_is():
+    """Its context chain is likely right whatever its drafts so far; a good request keeps its own."""
+    acceptance = RequestAcceptance()
+    for _ in range(30):
+        acceptance.add(["poor", "good"], [1, 4], 1.5)
+    poor, good = acceptance.factor(["poor"], 1.5), acceptance.factor(["good"], 1.5)
+    assert poor < 0.2 and good > 1.5
+    assert acceptance.factor(["poor"], 1.5, copying={"poor"}) == 1.0
+    assert acceptance.factor(["good"], 1.5, copying={"good"}) == good
+    assert acceptance.factor(["poor", "good"], 1.5, copying={"poor"}) == pytest.approx((1.0 + good) / 2)

@@ -116,6 +116,29 @@ impl ContextSequence {
         }
         &[]
     }
+
+    /// How many of the sequence's latest tokens the occurrence `chain` copies from also ends with, up to
+    /// `cap`: 0 when no suffix recurs, at least `MIN_NGRAM` when one does. A long match says the sequence
+    /// is copying an earlier passage (quoting, translating line by line, editing code), where the chain's
+    /// next tokens are likely right whatever the drafter thinks.
+    pub fn match_len(&self, cap: usize) -> usize {
+        let len = self.tokens.len();
+        for n in (MIN_NGRAM..=MAX_NGRAM.min(len)).rev() {
+            if let Some(&at) = self.next_of.get(&key(&self.tokens[len - n..])) {
+                // The occurrence ends just before `at` (< len, so it is earlier): extend the match back.
+                let at = at as usize;
+                let mut matched = n;
+                while matched < cap
+                    && matched < at
+                    && self.tokens[at - 1 - matched] == self.tokens[len - 1 - matched]
+                {
+                    matched += 1;
+                }
+                return matched.min(cap);
+            }
+        }
+        0
+    }
 }
 
 /// The sequences of the running requests, by request id.
@@ -186,6 +209,20 @@ mod tests {
         assert_eq!(seq(&[3, 4, 7, 8, 2, 3, 4]).chain(8), &[7, 8, 2, 3, 4]);
         // the latest occurrence wins
         assert_eq!(seq(&[5, 6, 1, 5, 6, 2, 5, 6]).chain(1), &[2]);
+    }
+
+    #[test]
+    fn the_match_extends_back_from_the_chained_occurrence() {
+        // [9, 1, 2, 3, 4] recurs: the 4-gram key finds the occurrence, and the 9 before it matches too
+        let copying = seq(&[9, 1, 2, 3, 4, 8, 9, 1, 2, 3, 4]);
+        assert_eq!(copying.match_len(16), 5);
+        assert_eq!(copying.match_len(3), 3);
+        // only [3, 4] recurs
+        assert_eq!(seq(&[3, 4, 7, 8, 2, 3, 4]).match_len(16), 2);
+        assert_eq!(seq(&[1, 2, 3, 4]).match_len(16), 0);
+        assert_eq!(seq(&[]).match_len(16), 0);
+        // a run overlapping itself: the latest occurrence ends one token back
+        assert_eq!(seq(&[5, 5, 5, 5, 5, 5]).match_len(16), 5);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Python binding of `dart_core::context::ContextIndex`: `ContextIndex()` with `set(rid, tokens)`,
-//! `extend(rid, tokens)`, `chains(rids, width)` (one `[bs, width]` int64 array, -1 padded) and
-//! `keep_only(rids)`. Token ids must be in [0, 2^24).
+//! `extend(rid, tokens)`, `chains(rids, width)` (one `[bs, width]` int64 array, -1 padded),
+//! `match_lens(rids, cap)` and `keep_only(rids)`. Token ids must be in [0, 2^24).
 use dart_core::context::{ContextIndex, MAX_TOKEN};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2};
@@ -62,6 +62,14 @@ impl PyContextIndex {
             }
         }
         Ok(out.into_pyarray(py))
+    }
+
+    /// Each request's match length (`ContextSequence::match_len`, at most `cap`; 0 for a request not
+    /// indexed).
+    fn match_lens(&self, rids: Vec<String>, cap: usize) -> Vec<usize> {
+        rids.iter()
+            .map(|rid| self.inner.get(rid).map_or(0, |seq| seq.match_len(cap)))
+            .collect()
     }
 
     /// The request's indexed tokens.
