@@ -35,7 +35,6 @@ root alone's rate excepted: it costs over 1.4 root-only steps, and the regular p
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -73,14 +72,11 @@ CLIP_AFTER = 3
 PROBE_BACKOFF_BELOW = 0.5
 MAX_PROBE_BACKOFF = 8
 # A batch the guard holds at the root alone for its requests' poor drafts (while its bucket runs trees)
-# still runs a tree after this many held steps: its requests' acceptance is only measured on tree steps,
-# and a request judged on a few unlucky ones must get the chance to show better ...
+# still runs a tree one step in this many: its requests' acceptance is only measured on tree steps, and a
+# request judged on a few unlucky ones must get the chance to show better. (Spacing rechecks by what they
+# lose, up to 64 steps, with a prior that faded, won in simulation and lost 1-6% on real chat prompts at
+# batch 1, where most poor requests are marginal: see throughput run 120.)
 RECHECK_HELD_EVERY = 8
-# ... and less often where a recheck loses much: the gap is what keeps rechecks within RECHECK_BUDGET of the
-# root-only steps' time, by the held requests' expected tree rate (trees costing twice a plain step that
-# fill 1.1 tokens: a recheck loses 0.9 steps, one in 64 steps). Every 8 steps such rechecks alone cost 11%.
-RECHECK_BUDGET = 0.01
-MAX_RECHECK_GAP = 64
 
 
 @dataclass
@@ -327,21 +323,10 @@ class GuardedTreeSizes(AdaptiveTreeSizes):
         root_rate = root_stats.rate
         if planned.size == tree and tree_rate * (1 + SWITCH_MARGIN) < root_rate:
             bucket.held += 1
-            if bucket.held < self._recheck_gap(tree_stats.seconds, tree_rate, root_rate):
-                return PlannedSize(1)
-            bucket.held = 0
-            return planned
+            return planned if bucket.held % RECHECK_HELD_EVERY == 0 else PlannedSize(1)
         if planned.size == 1 and tree_rate > root_rate * (1 + SWITCH_MARGIN):
             return PlannedSize(tree)
         return planned
-
-    @staticmethod
-    def _recheck_gap(tree_seconds: float, tree_rate: float, root_rate: float) -> int:
-        """Held steps between two rechecks of held requests: RECHECK_HELD_EVERY, or more where one
-        recheck loses more than RECHECK_BUDGET of that many root-only steps."""
-        # A recheck's time less what its expected tokens take at the root alone's rate, in root-only steps.
-        lost = tree_seconds * root_rate - tree_rate * tree_seconds
-        return min(max(RECHECK_HELD_EVERY, math.ceil(lost / RECHECK_BUDGET)), MAX_RECHECK_GAP)
 
     def record_requests(self, batch_size: int, size: int, rids: Sequence[str], tokens: Sequence[int]) -> None:
         """A tree step's tokens per request, against the drafts its bucket expected of it."""
