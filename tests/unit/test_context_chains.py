@@ -23,14 +23,21 @@ from sglang_dart.pruner import ContextIndex, PrunerConfig, prune_batch
 from tests.unit.test_pruner import _assert_invariants, _softmax_rows
 
 
-def reference_chain(seq: list[int], width: int) -> list[int]:
-    """What followed the latest earlier occurrence of the longest suffix of 4, 3 or 2 tokens."""
+def reference_occurrence(seq: list[int]) -> tuple[int, int] | None:
+    """The latest earlier occurrence of the longest suffix of 4, 3 or 2 tokens: its length and the position
+    just past it."""
     for n in range(min(4, len(seq)), 1, -1):
         suffix = seq[-n:]
         for start in range(len(seq) - n - 1, -1, -1):
             if seq[start : start + n] == suffix:
-                return seq[start + n : start + n + width]
-    return []
+                return n, start + n
+    return None
+
+
+def reference_chain(seq: list[int], width: int) -> list[int]:
+    """What followed that occurrence."""
+    found = reference_occurrence(seq)
+    return [] if found is None else seq[found[1] : found[1] + width]
 
 
 def test_index_matches_the_reference_on_random_sequences() -> None:
@@ -54,17 +61,14 @@ def test_index_matches_the_reference_on_random_sequences() -> None:
 
 
 def reference_match_len(seq: list[int], cap: int) -> int:
-    """How far back the latest earlier occurrence of the longest recurring suffix (4, 3 or 2 tokens)
-    matches the sequence's end, at most `cap`."""
-    for n in range(min(4, len(seq)), 1, -1):
-        suffix = seq[-n:]
-        for start in range(len(seq) - n - 1, -1, -1):
-            if seq[start : start + n] == suffix:
-                end, matched = start + n, n
-                while matched < min(cap, end) and seq[end - 1 - matched] == seq[-1 - matched]:
-                    matched += 1
-                return min(matched, cap)
-    return 0
+    """How far back that occurrence matches the sequence's end, at most `cap`."""
+    found = reference_occurrence(seq)
+    if found is None:
+        return 0
+    matched, end = found
+    while matched < min(cap, end) and seq[end - 1 - matched] == seq[-1 - matched]:
+        matched += 1
+    return min(matched, cap)
 
 
 def test_match_lens_match_the_reference_on_random_sequences() -> None:

@@ -104,17 +104,23 @@ impl ContextSequence {
         }
     }
 
+    /// The latest earlier occurrence (within the window) of the longest suffix n-gram found: its length n
+    /// and the position just past it (< the sequence's length, so it is earlier); None when none recurs.
+    fn occurrence(&self) -> Option<(usize, usize)> {
+        let len = self.tokens.len();
+        (MIN_NGRAM..=MAX_NGRAM.min(len)).rev().find_map(|n| {
+            let at = self.next_of.get(&key(&self.tokens[len - n..]))?;
+            Some((n, *at as usize))
+        })
+    }
+
     /// Up to `max_len` tokens that followed the latest earlier occurrence (within the window) of the
     /// longest suffix n-gram found; empty when none recurs.
     pub fn chain(&self, max_len: usize) -> &[u32] {
-        let len = self.tokens.len();
-        for n in (MIN_NGRAM..=MAX_NGRAM.min(len)).rev() {
-            if let Some(&at) = self.next_of.get(&key(&self.tokens[len - n..])) {
-                let at = at as usize;
-                return &self.tokens[at..len.min(at + max_len)];
-            }
+        match self.occurrence() {
+            Some((_, at)) => &self.tokens[at..self.tokens.len().min(at + max_len)],
+            None => &[],
         }
-        &[]
     }
 
     /// How many of the sequence's latest tokens the occurrence `chain` copies from also ends with, up to
@@ -122,22 +128,18 @@ impl ContextSequence {
     /// is copying an earlier passage (quoting, translating line by line, editing code), where the chain's
     /// next tokens are likely right whatever the drafter thinks.
     pub fn match_len(&self, cap: usize) -> usize {
-        let len = self.tokens.len();
-        for n in (MIN_NGRAM..=MAX_NGRAM.min(len)).rev() {
-            if let Some(&at) = self.next_of.get(&key(&self.tokens[len - n..])) {
-                // The occurrence ends just before `at` (< len, so it is earlier): extend the match back.
-                let at = at as usize;
-                let mut matched = n;
-                while matched < cap
-                    && matched < at
-                    && self.tokens[at - 1 - matched] == self.tokens[len - 1 - matched]
-                {
-                    matched += 1;
-                }
-                return matched.min(cap);
-            }
+        let Some((n, at)) = self.occurrence() else {
+            return 0;
+        };
+        let last = self.tokens.len() - 1;
+        let mut matched = n;
+        while matched < cap
+            && matched < at
+            && self.tokens[at - 1 - matched] == self.tokens[last - matched]
+        {
+            matched += 1;
         }
-        0
+        matched.min(cap)
     }
 }
 
