@@ -22,7 +22,9 @@ A step that drafts nothing (a root-only step) stores its tokens' residuals, whic
 but defers their entries' K/V (`pending`): the next step that drafts stores them first, or a flush stores
 them once some request has `FLUSH_GAP` of them. So a long
 run of root-only steps costs one small projection per `FLUSH_GAP` steps instead of one per step: py-spy
-put the per-step store at 1% of a batch-16 float32 step on a 2-core EPYC, 0.2% deferred. A request can
+put the per-step store at 1% of a batch-16 float32 step on a 2-core EPYC, 0.2% deferred. On a CPU such a
+step defers the residuals' fuse too (`defer_residuals`): the fc and a dozen small indexing ops per step
+were 1.2% of a batch-1 bf16 SmolLM2 step on a 2-core EPYC, where each op costs the host. A request can
 finish with entries still pending, leaving stale K/V in slots the radix cache keeps; so a prefill
 recomputes the `FLUSH_GAP` entries before its cached prefix too, from the residuals that are always
 stored. Stale K/V can only make drafts worse, never change what the target accepts.
@@ -87,6 +89,7 @@ class DraftForward:
         max_batch = target_req_to_token.shape[0]
         self.junk_slot = scratch_base + max_batch * (self.num_masks + 1)  # the last scratch slot
         self.graphs = graphs or DeviceGraphs(self.device, enabled=False)
+        self._unfused: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, taps): `defer_residuals`
 
     @staticmethod
     def scratch_slots(max_batch: int, draft_length: int) -> int:
@@ -94,9 +97,33 @@ class DraftForward:
         every request of the largest batch, and one junk slot for the padding rows of block steps."""
         return max_batch * (draft_length + 1) + 1
 
+    def defer_residuals(self, slots: torch.Tensor, taps: torch.Tensor) -> None:
+        """Keep the taps of tokens whose residuals nothing reads yet (a root-only step's, on a CPU), to be
+        fused into their slots with the next ones (`fuse_deferred`): one fc over up to FLUSH_GAP steps
+        reads its weights once. Every other access to `residual` fuses them first, so the writes land in
+        step order whatever slots were freed and handed out again in between. `taps` must not be a buffer
+        the next forward overwrites."""
+        self._unfused.append((slots, taps))
+        if len(self._unfused) >= FLUSH_GAP:
+            self.fuse_deferred()
+
+    @torch.no_grad()
+    def fuse_deferred(self) -> None:
+        """Store the residuals `defer_residuals` kept: one fc, then each step's slots in order (a slot a
+        later step reuses ends with the later residual)."""
+        if not self._unfused:
+            return
+        unfused, self._unfused = self._unfused, []
+        fused = self.drafter.fuse(torch.cat([taps for _, taps in unfused]).to(self.residual.dtype))
+        start = 0
+        for slots, _ in unfused:
+            self.residual[slots] = fused[start : start + slots.shape[0]]
+            start += slots.shape[0]
+
     @torch.no_grad()
     def store_residuals(self, slots: torch.Tensor, aux_hidden: torch.Tensor) -> None:
         """Fuse the target taps of freshly computed tokens into their slots."""
+        self.fuse_deferred()
         if slots.numel():
             self.residual[slots] = self.drafter.fuse(aux_hidden.to(self.residual.dtype))
 
@@ -129,6 +156,7 @@ class DraftForward:
         """Store the K/V of entries first[r]..last[r]-1 of each request, as `step` would, with no attention,
         head or mask slots (next_tokens as for `step`: grouped per request, the token after each entry), and
         their columns of the draft's request table (block steps write it from their own first column on)."""
+        self.fuse_deferred()
         tokens: list[int] = []
         offset = 0
         for a, b in zip(first, last, strict=True):  # the newest entry (b) has no slot yet
@@ -160,6 +188,7 @@ class DraftForward:
         slots. Stores the K/V of every entry but the last one, returns logits [bs, D, draft_vocab]:
         D = d + 1, or the first `depths` of those rows (mask slots attend causally, so a later slot never
         changes an earlier row: the slots beyond them are not computed at all)."""
+        self.fuse_deferred()
         drafter, d = self.drafter, self.num_masks
         if depths is not None:
             d = max(0, min(d, depths - 1))
@@ -281,6 +310,7 @@ class DraftForward:
         shape on a GPU): path node j of request i (j < accept_lens[i], path_nodes [bs, size] flat verify
         nodes) is the token at position committed[i] + j. Every node column is fused; those past a path go
         to the junk row."""
+        self.fuse_deferred()  # in step order: a deferred slot may have been handed out again
         self.graphs.run(
             "path-residuals",
             self._store_path_residuals,
@@ -323,6 +353,7 @@ class DraftForward:
         stored (`store_path_residuals`). Returns logits [bs, D, draft_vocab] as `step` does, or
         finish(logits) (device work alone, such as the top-k: it runs in the head's graph), valid until
         the next block step."""
+        self.fuse_deferred()
         masks = max(0, min(self.num_masks, depths - 1))
         bs, size = path_nodes.shape
         width = size + 1 + masks
@@ -528,12 +559,17 @@ class Drafting:
         rows_d = _rows_on_device(batch, rows, step.roots.device)
         bs = len(rows)
         path_nodes = step.accept_index.view(bs, -1)
-        if not runner.graphs.enabled:  # graphs (emulated ones too) need one shape per tree size
+        if not runner.graphs.enabled and path_nodes.shape[1] > 1:  # graphs need one shape per tree size
             path_nodes = _longest_paths_on_cpu(path_nodes, step.accept_lens)
+        roots_only = path_nodes.shape[1] == 1  # every request accepted its root alone
         candidates = None
         drafting_seconds = 0.0
         with self.timer.phase("draft"):
-            runner.store_path_residuals(rows_d, step.committed, path_nodes, step.accept_lens, taps)
+            if depths is None and roots_only and _host_is_the_device(runner, taps):
+                # Residuals nothing reads before the next flush or draft.
+                runner.defer_residuals(_root_slots(runner, rows_d, step), _root_rows(taps, path_nodes))
+            else:
+                runner.store_path_residuals(rows_d, step.committed, path_nodes, step.accept_lens, taps)
             drafting_from = time.perf_counter()
             if depths is not None:
                 self._flush_deferred(batch.reqs, rows, now)
@@ -549,7 +585,11 @@ class Drafting:
                     finish=self.trees.candidates_of,  # the top-k, in the head's graph on a GPU
                 )
                 drafting_seconds = time.perf_counter() - drafting_from  # queued, on a GPU: no wait here
-        parts = [step.accept_lens.float(), path_nodes.reshape(-1).float(), step.predict.reshape(-1).float()]
+        predict = step.predict.reshape(-1)
+        if roots_only:  # the target's token after each root tells all
+            parts = [_root_rows(predict, path_nodes).float()]
+        else:
+            parts = [step.accept_lens.float(), path_nodes.reshape(-1).float(), predict.float()]
         if candidates is not None:
             parts.append(candidates.reshape(-1))
         return UnsettledStep(
@@ -557,7 +597,8 @@ class Drafting:
             rows=rows,
             now=now,
             depths=depths,
-            read=DeviceRead(torch.cat(parts)),
+            read=DeviceRead(parts[0] if len(parts) == 1 else torch.cat(parts)),
+            roots_only=roots_only,
             path_width=path_nodes.shape[1],
             tree_nodes=step.predict.numel(),
             candidates_shape=None if candidates is None else tuple(candidates.shape),
@@ -570,7 +611,11 @@ class Drafting:
         step that drafted nothing, its entries are deferred (flushed once a request has FLUSH_GAP of them)."""
         with self.timer.phase("settle"):
             host = VerifiedHost.parse(
-                step.read.numpy(), len(step.rows), step.path_width, step.tree_nodes, step.candidates_shape
+                step.read.numpy(),
+                len(step.rows),
+                None if step.roots_only else step.path_width,
+                step.tree_nodes,
+                step.candidates_shape,
             )
         reqs, now, bs = step.reqs, step.now, len(step.rows)
         new_tokens = [host.new_tokens(i) for i in range(bs)]
@@ -619,6 +664,7 @@ class VerifiedStep:
     predict: torch.Tensor  # [bs * size]: the target's token after each verified node
     accept_lens: torch.Tensor  # [bs]: accepted tokens per request, root included
     accept_index: torch.Tensor  # [bs, size]: the accepted nodes (flat), root first, -1 after
+    root_slots: torch.Tensor | None = None  # [bs] int64: the roots' KV slots, where the caller has them
 
 
 class DeviceRead:
@@ -651,6 +697,7 @@ class UnsettledStep:
     now: list[Progress]  # each request's progress before the step
     depths: int | None  # how deep the next step's trees can reach (None: it drafted nothing)
     read: DeviceRead  # accept lengths, path nodes, the target's tokens, then the candidates
+    roots_only: bool  # every path was its root alone: `read` holds the target's token after each root
     path_width: int
     tree_nodes: int
     candidates_shape: tuple[int, ...] | None
@@ -672,21 +719,28 @@ class VerifiedHost:
         cls,
         host: np.ndarray,
         bs: int,
-        path_width: int,
+        path_width: int | None,
         tree_nodes: int,
         candidates_shape: tuple[int, ...] | None,
     ) -> VerifiedHost:
         """The transfer `Drafting.after_verify` starts: float32 carries the ids exactly (vocabularies
-        < 2**24, checked at start-up) and the node indices (< bs * tree size)."""
-        lens = host[:bs].astype(np.int64).tolist()
-        nodes = host[bs : bs + bs * path_width].astype(np.int64).reshape(bs, path_width).tolist()
-        end = bs + bs * path_width + tree_nodes
-        predicted = host[bs + bs * path_width : end].astype(np.int64).tolist()
+        < 2**24, checked at start-up) and the node indices (< bs * tree size). Without a path width, every
+        path was its root alone and the transfer starts with the target's token after each root."""
+        if path_width is None:
+            lens, paths = [1] * bs, [[i] for i in range(bs)]
+            predicted = host[:bs].astype(np.int64).tolist()  # node i: the target's token after root i
+            end = bs
+        else:
+            lens = host[:bs].astype(np.int64).tolist()
+            nodes = host[bs : bs + bs * path_width].astype(np.int64).reshape(bs, path_width).tolist()
+            paths = [row[:n] for row, n in zip(nodes, lens, strict=True)]
+            end = bs + bs * path_width + tree_nodes
+            predicted = host[bs + bs * path_width : end].astype(np.int64).tolist()
         probs = tokens = None
         if candidates_shape is not None:
             both = host[end:].reshape(candidates_shape)
             probs, tokens = both[0], both[1].astype(np.int64)
-        return cls(lens, [row[:n] for row, n in zip(nodes, lens, strict=True)], predicted, probs, tokens)
+        return cls(lens, paths, predicted, probs, tokens)
 
     def new_tokens(self, i: int) -> list[int]:
         """Request i's accepted drafts and its bonus token: the target's token after each path node."""
@@ -723,6 +777,26 @@ def _longest_paths_on_cpu(path_nodes: torch.Tensor, accept_lens: torch.Tensor) -
         return path_nodes
     longest = int(accept_lens.numpy().max(initial=1))  # a host array: nothing to sync
     return path_nodes[:, :longest]
+
+
+def _root_rows(rows: torch.Tensor, path_nodes: torch.Tensor) -> torch.Tensor:
+    """The rows of `rows` (one per verified node) at each request's root, when every path is its root
+    alone: all of them after a root-only step (one node per request)."""
+    if rows.shape[0] == path_nodes.shape[0]:
+        return rows
+    return rows[path_nodes[:, 0].to(torch.int64)]
+
+
+def _root_slots(runner: DraftForward, rows_d: torch.Tensor, step: VerifiedStep) -> torch.Tensor:
+    """The roots' KV slots: the caller's, or looked up in the request table."""
+    if step.root_slots is not None:
+        return step.root_slots
+    return runner.req_to_token[rows_d, step.committed].to(torch.int64)
+
+
+def _host_is_the_device(runner: DraftForward, taps: torch.Tensor) -> bool:
+    """Whether the draft runs on the host, op by op: no graphs (they need one shape per tree size)."""
+    return taps.device.type == "cpu" and not runner.graphs.enabled
 
 
 def _rows_on_device(batch: Any, rows: list[int], device: torch.device) -> torch.Tensor:

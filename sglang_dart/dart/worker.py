@@ -604,9 +604,11 @@ class DartWorker(NGRAMWorker):
             roots_d = upload(torch.tensor(roots, dtype=torch.int64), self.device)
             batch.input_ids = roots_d
             req_to_token = batch.req_to_token_pool.req_to_token
-            batch.out_cache_loc = req_to_token[batch.req_pool_indices, committed].to(torch.int64)
+            root_slots = req_to_token[batch.req_pool_indices, committed].to(torch.int64)
+            batch.out_cache_loc = root_slots
             # Decode counts the new token in seq_lens; the scheduler restores the batch after the step.
-            batch.seq_lens = committed + 1
+            new_seq_lens = committed + 1
+            batch.seq_lens = new_seq_lens
             if batch.seq_lens_cpu is not None:
                 batch.seq_lens_cpu = batch.seq_lens_cpu + 1
                 batch.seq_lens_sum = int(batch.seq_lens_cpu.numpy().sum())  # a host tensor
@@ -618,23 +620,24 @@ class DartWorker(NGRAMWorker):
                 batch, capture_hidden_mode=CaptureHiddenMode.FULL
             )
         next_token_ids = result.next_token_ids
-        new_seq_lens = committed + 1
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
         if on_publish is not None:
             on_publish(new_seq_lens)
         # Typed as a verify's results: the draft step's graphs are captured per input shape and dtype.
+        tokens = next_token_ids.to(torch.int32)
         index = torch.arange(bs, dtype=torch.int32, device=self.device)
         verified_step = VerifiedStep(
             committed=committed,
             roots=roots_d,
-            predict=next_token_ids.to(torch.int32),
+            predict=tokens,
             accept_lens=accept_lens,
             accept_index=index.view(bs, 1),
+            root_slots=root_slots,
         )
         self._draft_after_verify(batch, result.logits_output.hidden_states, verified_step, started, 1)
         self._keep_only(batch.reqs)
         self.timer.step_done(bs)
-        accept_tokens = self._widen(next_token_ids.view(bs, 1).to(torch.int32)).flatten()
+        accept_tokens = self._widen(tokens.view(bs, 1)).flatten()
         return self._step_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, 1, 1)
 
     def _widen(self, rows: torch.Tensor) -> torch.Tensor:

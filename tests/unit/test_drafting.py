@@ -165,6 +165,28 @@ def test_a_shallower_step_gives_the_first_rows_of_the_full_step(tmp_path):
         torch.testing.assert_close(keys, full_keys, atol=1e-5, rtol=1e-5)  # GEMM blocking may differ
 
 
+def test_deferred_residuals_land_in_step_order_before_any_other_access(tmp_path):
+    """Residuals a root-only step on a CPU defers are fused before anything else reads or writes the
+    residual store, in step order: a slot handed out again between two steps ends with the later token's
+    residual, and a store after them is not overwritten. FLUSH_GAP deferred steps fuse by themselves."""
+    runner = _draft_forward(_write_checkpoint(tmp_path / "draft"), torch.zeros(2, 8, dtype=torch.int32), 16)
+    gen = torch.Generator().manual_seed(3)
+    old, new, stored = (torch.randn(1, 3 * H, generator=gen) for _ in range(3))
+    runner.defer_residuals(torch.tensor([5]), old)
+    runner.defer_residuals(torch.tensor([5, 6]), torch.cat([new, old]))
+    assert not runner.residual[5].any()  # nothing fused yet
+    runner.store_residuals(torch.tensor([6]), stored)
+    with torch.no_grad():
+        expected = runner.drafter.fuse(torch.cat([new, stored]))
+    torch.testing.assert_close(runner.residual[[5, 6]], expected)
+    taps = torch.randn(FLUSH_GAP, 3 * H, generator=gen)
+    for i in range(FLUSH_GAP):
+        assert not runner.residual[7].any()
+        runner.defer_residuals(torch.tensor([7]), taps[i : i + 1])
+    with torch.no_grad():
+        torch.testing.assert_close(runner.residual[7], runner.drafter.fuse(taps[-1:])[0])
+
+
 def test_a_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_path):
     """The draft model, SGLang's pools and req_to_token on the meta device (a device with no data: reading
     a value back raises, and so does an op mixing a meta tensor with a host one), the request layout in
