@@ -598,7 +598,6 @@ class Drafting:
             now=now,
             depths=depths,
             read=DeviceRead(parts[0] if len(parts) == 1 else torch.cat(parts)),
-            roots_only=roots_only,
             path_width=path_nodes.shape[1],
             tree_nodes=step.predict.numel(),
             candidates_shape=None if candidates is None else tuple(candidates.shape),
@@ -611,11 +610,7 @@ class Drafting:
         step that drafted nothing, its entries are deferred (flushed once a request has FLUSH_GAP of them)."""
         with self.timer.phase("settle"):
             host = VerifiedHost.parse(
-                step.read.numpy(),
-                len(step.rows),
-                None if step.roots_only else step.path_width,
-                step.tree_nodes,
-                step.candidates_shape,
+                step.read.numpy(), len(step.rows), step.path_width, step.tree_nodes, step.candidates_shape
             )
         reqs, now, bs = step.reqs, step.now, len(step.rows)
         new_tokens = [host.new_tokens(i) for i in range(bs)]
@@ -697,8 +692,7 @@ class UnsettledStep:
     now: list[Progress]  # each request's progress before the step
     depths: int | None  # how deep the next step's trees can reach (None: it drafted nothing)
     read: DeviceRead  # accept lengths, path nodes, the target's tokens, then the candidates
-    roots_only: bool  # every path was its root alone: `read` holds the target's token after each root
-    path_width: int
+    path_width: int  # 1: every path was its root alone, and `read` starts with the token after each root
     tree_nodes: int
     candidates_shape: tuple[int, ...] | None
     drafting_seconds: float
@@ -719,14 +713,14 @@ class VerifiedHost:
         cls,
         host: np.ndarray,
         bs: int,
-        path_width: int | None,
+        path_width: int,
         tree_nodes: int,
         candidates_shape: tuple[int, ...] | None,
     ) -> VerifiedHost:
         """The transfer `Drafting.after_verify` starts: float32 carries the ids exactly (vocabularies
-        < 2**24, checked at start-up) and the node indices (< bs * tree size). Without a path width, every
-        path was its root alone and the transfer starts with the target's token after each root."""
-        if path_width is None:
+        < 2**24, checked at start-up) and the node indices (< bs * tree size). With paths 1 wide, every path
+        was its root alone and the transfer starts with the target's token after each root."""
+        if path_width == 1:
             lens, paths = [1] * bs, [[i] for i in range(bs)]
             predicted = host[:bs].astype(np.int64).tolist()  # node i: the target's token after root i
             end = bs
