@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         choices=["auto", "bfloat16", "float32"],
         help="auto (default): bfloat16 where it is fast (a GPU, or a CPU with AMX or AVX512-BF16), float32 "
-        "elsewhere; bfloat16: a verify step rounds near-ties differently from one-token decoding, so the "
-        "texts may part; float32: greedy DART output is the target's, token for token",
+        "elsewhere; bfloat16: the two servers may round a product differently (a verify step's where "
+        "torch's products take trees, or the prompt's prefill), so the texts may part; float32: greedy "
+        "DART output is the target's, token for token",
     )
     args = parser.parse_args(argv)
     stop_servers_on_sigterm()
@@ -159,8 +160,9 @@ def report(dart: Answer, plain: Answer, dtype: str) -> str:
     same = "yes" if diff is None else f"no (first difference at character {diff})"
     if diff is not None and dtype != "float32":
         same += (
-            f"; in {dtype} a verify step rounds near-ties differently from one-token decoding: "
-            "--dtype float32 gives the target's text token for token"
+            f"; in {dtype} the two servers rounded a product differently (a verify step's, where torch's "
+            "products take trees, or the prompt's prefill): --dtype float32 gives the target's text token "
+            "for token"
         )
     return "\n".join(
         [

@@ -199,6 +199,33 @@ def bf16_rust_only() -> bool:
     return SKINNY_BF16_KERNEL == "avx2" and mode() == "auto" and bf16_kernel_pays()
 
 
+# Up to this many rows a bf16 product goes to the AVX512-BF16 kernel untimed (`bf16_rust_untimed`): a tree
+# of 8 or 16 at batch 1 and decode up to batch 16.
+EXACT_BF16_ROWS = 16
+
+
+def bf16_rust_untimed(rows: int) -> bool:
+    """Whether `auto` gives a bf16 product of `rows` rows to Rust without timing the other forms: always
+    where the kernel is AVX2 (`bf16_rust_only`), and up to EXACT_BF16_ROWS rows where it is AVX512-BF16
+    while torch runs on one thread (`_bf16_rust_now`). There timed choices mixed the Rust, torch and
+    packed products across row buckets (a demo server: packed 52, torch 30, Rust 23 buckets), which round
+    differently, so a token verified in a tree of 8 got other bits than decoded alone and greedy bf16
+    DART parted from plain decoding (the demo's answer at its 34th character); with one form for 1-16 rows
+    the two give the same text, and batch 1 ran faster too (plain 1.08-1.24x, DART 1.08-1.20x, paired;
+    `benchmarks/results/throughput.md`, run 121). Past 16 rows plain decoding's own bits depend on how
+    its batch is composed, and oneDNN's products, which reuse each loaded weight across more rows, keep
+    their timed chance."""
+    if bf16_rust_only():
+        return True
+    return (
+        SKINNY_BF16_KERNEL == "avx512-bf16"
+        and mode() == "auto"
+        and bf16_kernel_pays()
+        and rows <= EXACT_BF16_ROWS
+        and _bf16_rust_now()
+    )
+
+
 def _bf16_rust_now() -> bool:
     """bf16 products go to Rust only while torch runs on one thread (`small_step_threads`): beside torch's
     pool, whose OpenMP workers spin for bf16, the Rust helpers and torch's workers took the second core
@@ -310,8 +337,8 @@ def forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ..
         # The Rust product has no backward: training (the drafter's) stays with torch.
         and not training
     )
-    if rust_takes and weight.dtype == torch.bfloat16 and bf16_rust_only():
-        return ("rust",)  # any number of rows (`_rust` takes them in blocks)
+    if rust_takes and weight.dtype == torch.bfloat16 and bf16_rust_untimed(rows):
+        return ("rust",)  # (past 64 rows only `bf16_rust_only`: `_rust` takes them in blocks)
     rust_fits = (
         rust_takes and rows <= SKINNY_MATMUL_MAX_ROWS and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
     )
@@ -381,7 +408,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if forms == ("torch",):  # nothing else applies (more rows than the few-row forms take)
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if len(forms) == 1:  # nothing to choose (`bf16_rust_only`)
+    if len(forms) == 1:  # nothing to choose (`bf16_rust_untimed`)
         out = PRODUCTS[forms[0]](flat, weight)
     elif current != "auto":
         if current not in forms:

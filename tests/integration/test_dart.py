@@ -114,6 +114,13 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
             unset_tuning,
             "qwen3-bf16-default-sizes",
         ),
+        # Plain decoding of the same bf16 model, for bf16-default-sizes's greedy output.
+        "bf16-plain": (
+            bf16_model,
+            ["--dtype", "auto", *SEED, "--disable-overlap-schedule"],
+            unset_tuning,
+            "qwen3-bf16-plain",
+        ),
         "root-only": (tiny_qwen3_dir, base, {TREE_SIZES_ENV: "1:1"}, "qwen3-root-only"),
         # Two schedulers, each with a DART worker of its own (SGLang's data-parallel replicas).
         "data-parallel": (tiny_qwen3_dir, [*base, "--dp-size", "2"], {}, "qwen3-dart-dp2"),
@@ -123,7 +130,10 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
 # Started in groups at the first use of one of them (the last test to use one stops it): a start-up is
 # mostly single-threaded imports, and two or three side by side took 33-36 s a server on 2 cores against
 # 47 s one at a time; five together took 51 s a server.
-VARIANT_GROUPS = [("no-chains", "reentry"), ("bf16-default-sizes", "root-only", "data-parallel")]
+VARIANT_GROUPS = [
+    ("no-chains", "reentry"),
+    ("bf16-default-sizes", "bf16-plain", "root-only", "data-parallel"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +448,34 @@ def test_chunked_prefill_and_stop_strings(qwen3_plain, variant_servers):
         assert plain["meta_info"]["finish_reason"]["type"] == "stop"
     finally:
         server.stop()
+
+
+def test_bf16_greedy_equals_plain_where_one_product_takes_every_few_row_linear(variant_servers):
+    """In bf16 a token verified in a tree gets the bits it gets decoded alone where one Rust product takes
+    every linear of 1-16 rows (`skinny_gemm.bf16_rust_untimed`: AVX512-BF16 or AVX2, no AMX): greedy DART
+    then equals plain decoding in bf16 too, as it does in float32. Before, timed choices mixed forms that
+    round differently across row counts, and the shipped drafter's demo answer parted from plain's at its
+    34th character (this tiny model's answers happened to agree). (Runs before the test that stops
+    bf16-default-sizes.)"""
+    from sglang_dart.cpu.skinny_gemm import bf16_kernel_pays
+
+    plain = variant_servers("bf16-plain")
+    try:
+        if not bf16_kernel_pays():
+            pytest.skip("torch's timed bf16 products here (AMX, or no vector kernel for the Rust one)")
+        dart = variant_servers("bf16-default-sizes")
+        # Prompts of a few tokens: a prefill of more than 16 rows is still a timed choice, made apart in
+        # each server, so two servers (two plain ones too) may round a longer prompt differently.
+        prompts = [f"Tell me one fact about {topic}." for topic in ("rivers", "bread", "chess", "rain")]
+        prompts += [f"def {name}(items):" for name in ("total", "longest", "unique", "merge")]
+        reference = run_all(plain, prompts, 1, n=32)
+        speculative = run_all(dart, prompts, 1, n=32)
+        for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
+            assert spec["output_ids"] == ref["output_ids"], prompt
+        # Trees ran (the guard's warm-up and settling probes run them whatever the drafts).
+        assert sum(out["meta_info"]["spec_num_proposed_drafts"] for out in speculative) > 0
+    finally:
+        plain.stop()
 
 
 def test_default_tree_sizes_follow_the_loaded_dtype(variant_servers):

@@ -161,7 +161,7 @@ def test_bf16_rust_form_gives_a_row_the_same_bits_whatever_the_other_rows(monkey
 @pytest.mark.parametrize("pays", [True, False])
 def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, one_torch_thread, pays):
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
-    monkeypatch.setattr(skinny_gemm, "bf16_rust_only", lambda: False)  # the timed choice's case
+    monkeypatch.setattr(skinny_gemm, "bf16_rust_untimed", lambda rows: False)  # the timed choice's case
     monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: pays)
     weight = torch.randn(64, 32).bfloat16()
     # The forms offered, not a timed choice: where only torch's applies (no Rust bf16, and no oneDNN
@@ -174,7 +174,7 @@ def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, one_torc
 
 def test_bf16_rust_form_is_offered_only_while_torch_runs_on_one_thread(monkeypatch):
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
-    monkeypatch.setattr(skinny_gemm, "bf16_rust_only", lambda: False)  # the timed choice's case
+    monkeypatch.setattr(skinny_gemm, "bf16_rust_untimed", lambda rows: False)  # the timed choice's case
     monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
     weight, x = torch.randn(64, 32).bfloat16(), torch.randn(8, 32).bfloat16()
     threads = torch.get_num_threads()
@@ -246,6 +246,41 @@ def test_where_the_bf16_kernel_is_avx2_every_few_row_bf16_product_is_rust_s(monk
     # Another kernel, or a form set by hand, leaves the choice to timing / the setting.
     monkeypatch.setattr(skinny_gemm, "SKINNY_BF16_KERNEL", "avx512-bf16")
     assert not skinny_gemm.bf16_rust_only()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_where_the_bf16_kernel_is_avx512_bf16_up_to_16_rows_are_rust_s_untimed(monkeypatch, threads):
+    """Timed choices mixed the Rust, torch and packed products across row buckets, which round
+    differently, so greedy bf16 DART parted from plain decoding: up to EXACT_BF16_ROWS rows (trees of 8
+    and 16 at batch 1, decode up to batch 16) the Rust product is the only form while torch runs on one
+    thread; past them, or beside torch's pool, the choice stays timed."""
+    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "SKINNY_BF16_KERNEL", "avx512-bf16")
+    monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
+    weight = torch.randn(64, 32).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 8, skinny_gemm.EXACT_BF16_ROWS):
+            forms = skinny_gemm.forms_for(rows, torch.randn(rows, 32).bfloat16(), weight)
+            assert (forms == ("rust",)) == (threads == 1), (rows, forms)
+        for rows in (skinny_gemm.EXACT_BF16_ROWS + 1, skinny_gemm.SKINNY_MATMUL_MAX_ROWS):
+            assert len(skinny_gemm.forms_for(rows, torch.randn(rows, 32).bfloat16(), weight)) > 1
+        assert len(skinny_gemm.forms_for(8, torch.randn(8, 32), weight.float())) > 1  # float32: timed
+        if threads == 1:
+            x = torch.randn(skinny_gemm.EXACT_BF16_ROWS, 32).bfloat16()
+            together = skinny_gemm.linear(x, weight)
+            assert not skinny_gemm._choices  # untimed: no choice recorded
+            for row in range(x.shape[0]):
+                assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
+            assert torch.equal(skinny_gemm.linear(x[:8], weight), together[:8])
+    finally:
+        torch.set_num_threads(previous)
+    assert not skinny_gemm.bf16_rust_only()
+    # A form set by hand leaves it to the setting.
+    monkeypatch.setenv(skinny_gemm.ENV, "torch")
+    monkeypatch.setattr(skinny_gemm, "_mode", None)
+    assert not skinny_gemm.bf16_rust_untimed(1)
 
 
 def test_rust_product_rejects_mismatched_arrays():
