@@ -216,15 +216,20 @@ def test_bf16_kernel_is_offered_by_auto_where_the_cpu_has_a_vector_kernel_and_no
         assert not has_amx
 
 
+def _auto_with_bf16_kernel(monkeypatch, kernel: str) -> torch.Tensor:
+    """`auto`, with the Rust bf16 kernel `kernel` taken as paying; a bf16 weight to multiply."""
+    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "SKINNY_BF16_KERNEL", kernel)
+    monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
+    return torch.randn(64, 32).bfloat16()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_where_the_bf16_kernel_is_avx2_every_few_row_bf16_product_is_rust_s(monkeypatch, threads):
     """Timed choices between torch and the widened AVX2 kernel split by row count (one row ties, eight
     do not), so a token verified in a tree got other bits than decoded alone: there the Rust product is
     the only form, whatever the rows (in blocks past its limit) and torch's thread count."""
-    monkeypatch.setenv(skinny_gemm.ENV, "auto")
-    monkeypatch.setattr(skinny_gemm, "SKINNY_BF16_KERNEL", "avx2")
-    monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
-    weight = torch.randn(64, 32).bfloat16()
+    weight = _auto_with_bf16_kernel(monkeypatch, "avx2")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -254,10 +259,7 @@ def test_where_the_bf16_kernel_is_avx512_bf16_up_to_16_rows_are_rust_s_untimed(m
     differently, so greedy bf16 DART parted from plain decoding: up to EXACT_BF16_ROWS rows (trees of 8
     and 16 at batch 1, decode up to batch 16) the Rust product is the only form while torch runs on one
     thread; past them, or beside torch's pool, the choice stays timed."""
-    monkeypatch.setenv(skinny_gemm.ENV, "auto")
-    monkeypatch.setattr(skinny_gemm, "SKINNY_BF16_KERNEL", "avx512-bf16")
-    monkeypatch.setattr(skinny_gemm, "bf16_kernel_pays", lambda: True)
-    weight = torch.randn(64, 32).bfloat16()
+    weight = _auto_with_bf16_kernel(monkeypatch, "avx512-bf16")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
