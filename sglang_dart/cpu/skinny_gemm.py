@@ -199,8 +199,9 @@ def bf16_rust_only() -> bool:
     return SKINNY_BF16_KERNEL == "avx2" and mode() == "auto" and bf16_kernel_pays()
 
 
-# Up to this many rows a bf16 product goes to the AVX512-BF16 kernel untimed (`bf16_rust_untimed`): a tree
-# of 8 or 16 at batch 1 and decode up to batch 16.
+# Up to this many rows a bf16 product goes to the AVX512-BF16 kernel untimed (`bf16_rust_untimed`): trees of
+# 8 or 16 at batch 1, and every forward `small_step_threads` runs on one thread (bf16: at most 16 tokens of
+# at most 4 requests).
 EXACT_BF16_ROWS = 16
 
 

@@ -257,8 +257,8 @@ def test_where_the_bf16_kernel_is_avx2_every_few_row_bf16_product_is_rust_s(monk
 def test_where_the_bf16_kernel_is_avx512_bf16_up_to_16_rows_are_rust_s_untimed(monkeypatch, threads):
     """Timed choices mixed the Rust, torch and packed products across row buckets, which round
     differently, so greedy bf16 DART parted from plain decoding: up to EXACT_BF16_ROWS rows (trees of 8
-    and 16 at batch 1, decode up to batch 16) the Rust product is the only form while torch runs on one
-    thread; past them, or beside torch's pool, the choice stays timed."""
+    and 16 at batch 1) the Rust product is the only form while torch runs on one thread; past them, or
+    beside torch's pool, the choice stays timed."""
     weight = _auto_with_bf16_kernel(monkeypatch, "avx512-bf16")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
