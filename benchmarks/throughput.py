@@ -235,7 +235,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from sglang_dart.assets import smollm2_dir
     from sglang_dart.cpu.skinny_gemm import MODES as CPU_GEMM_MODES
-    from sglang_dart.server_process import SglangServer, stop_servers_on_sigterm
+    from sglang_dart.server_process import (
+        NotEnoughMemory,
+        SglangServer,
+        check_room_for,
+        stop_servers_on_sigterm,
+    )
 
     parser = dart_parser(__doc__, required=False)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
@@ -379,8 +384,10 @@ def main(argv: list[str] | None = None) -> None:
     steady = [name for name in configs if name != "NGRAM"]
     servers: dict[str, SglangServer] = {}
     try:
-        for name in steady:
+        for started, name in enumerate(steady, start=1):
             servers[name] = serve(name, "all")
+            # Each setting copies every server: check that the rest (and NGRAM's) fit before a run swaps.
+            check_room_for(len(steady) - started + ("NGRAM" in configs), servers[name])
         for bs in args.batch_sizes:
             for repeat in range(args.repeats):
                 for name in round_order(steady, repeat):
@@ -397,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
                     ]
                 finally:
                     server.stop()
+    except NotEnoughMemory as error:
+        raise SystemExit(f"throughput: {error}") from None
     finally:
         for server in servers.values():
             server.stop()

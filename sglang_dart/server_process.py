@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import requests
 
 # A small KV pool: SGLang would otherwise size it from free RAM (16 GB here), which takes half a minute.
@@ -282,6 +283,19 @@ class SglangServer(SglangClient):
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
+    def resident_bytes(self) -> int:
+        """Resident memory of the server's processes (launcher, scheduler, detokenizer), 0 once stopped."""
+        if not self.alive():
+            return 0
+        total = 0
+        try:
+            launcher = psutil.Process(self.proc.pid)
+            for process in [launcher, *launcher.children(recursive=True)]:
+                total += process.memory_info().rss
+        except psutil.Error:  # a process left between listing and reading: count what was read
+            pass
+        return total
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -291,6 +305,28 @@ class SglangServer(SglangClient):
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+
+
+class NotEnoughMemory(RuntimeError):
+    pass
+
+
+def check_room_for(more: int, like: SglangServer, spare_bytes: int = 2**30) -> None:
+    """Raise NotEnoughMemory unless `more` servers the size of `like` (started) fit in the memory available
+    now, with `spare_bytes` left. Past it the machine swaps or thrashes: six bf16 SmolLM2 servers (~3.7 GiB
+    each on a CPU, most of it three Python processes with torch loaded) filled 24 GiB, and a server stalled
+    for minutes in the middle of a measurement."""
+    if more <= 0:
+        return
+    each = like.resident_bytes()
+    available = psutil.virtual_memory().available
+    if more * each + spare_bytes > available:
+        gib = 2**30
+        raise NotEnoughMemory(
+            f"{more} more server(s) of ~{each / gib:.1f} GiB each do not fit in the {available / gib:.1f} "
+            f"GiB available (keeping {spare_bytes / gib:.0f} GiB spare): the machine would swap and every "
+            "measurement would be void. Run fewer servers at once."
+        )
 
 
 def start_together(servers: Iterable[SglangServer]) -> None:

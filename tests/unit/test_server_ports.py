@@ -1,15 +1,23 @@
-"""The ports test servers get (free, and outside the range outgoing connections draw local ports from), and
-what an interrupted start leaves behind."""
+"""The ports test servers get (free, and outside the range outgoing connections draw local ports from), what
+an interrupted start leaves behind, and how much memory a started one holds."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 
+import psutil
 import pytest
 
 from sglang_dart import server_process
-from sglang_dart.server_process import SglangServer, _ephemeral_port_range, free_port
+from sglang_dart.server_process import (
+    NotEnoughMemory,
+    SglangServer,
+    _ephemeral_port_range,
+    check_room_for,
+    free_port,
+)
 
 
 def test_free_port_is_bindable_and_outside_the_ephemeral_range():
@@ -68,3 +76,33 @@ def test_a_start_interrupted_stops_the_half_started_server(tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         server.start(timeout=60)
     assert server.proc is not None and server.proc.poll() is not None
+
+
+HELD_MIB = 256
+
+
+class _LauncherWithAWorker(SglangServer):
+    """Like SGLang's launcher: most of the memory is held by a child process (its scheduler)."""
+
+    def command(self) -> list[str]:
+        worker = f"held = b'x' * ({HELD_MIB} << 20); print('up', flush=True); import time; time.sleep(120)"
+        launcher = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {worker!r}])"
+        return [sys.executable, "-c", launcher]
+
+
+def test_a_servers_memory_counts_its_child_processes_and_the_room_check_refuses_what_does_not_fit(tmp_path):
+    server = _LauncherWithAWorker("model", [], tmp_path / "log", device_args=[])
+    command = server.command()
+    server.proc = subprocess.Popen(command, stdout=subprocess.PIPE, start_new_session=True, text=True)
+    try:
+        assert server.proc.stdout.readline().strip() == "up"
+        held = server.resident_bytes()
+        assert held >= HELD_MIB << 20
+        check_room_for(0, server)
+        check_room_for(1, server)  # 256 MiB and 1 GiB spare fit on any machine that runs the tests
+        too_many = psutil.virtual_memory().available // held + 1
+        with pytest.raises(NotEnoughMemory, match=f"{too_many} more server"):
+            check_room_for(too_many, server)
+    finally:
+        server.stop()
+    assert server.resident_bytes() == 0
