@@ -200,8 +200,8 @@ def bf16_rust_only() -> bool:
 
 
 # Up to this many rows a bf16 product goes to the AVX512-BF16 kernel untimed (`bf16_rust_untimed`): trees of
-# 8 or 16 at batch 1, and every forward `small_step_threads` runs on one thread (bf16: at most 16 tokens of
-# at most 4 requests).
+# 8 or 16 at batch 1, and every forward `small_step_threads` runs on one thread (bf16: at most 16 tokens,
+# however many requests).
 EXACT_BF16_ROWS = 16
 
 
@@ -230,7 +230,8 @@ def bf16_rust_untimed(rows: int) -> bool:
 def _bf16_rust_now() -> bool:
     """bf16 products go to Rust only while torch runs on one thread (`small_step_threads`): beside torch's
     pool, whose OpenMP workers spin for bf16, the Rust helpers and torch's workers took the second core
-    from each other, and plain decoding at batch 16 ran 9% slower with the two mixed (run 45)."""
+    from each other, and plain decoding at batch 16 ran 9% slower with the two mixed (run 45; again 0.89-0.93x
+    in run 122, where the same batch on one torch thread ran 1.05-1.12x faster)."""
     return mode() == "rust" or torch.get_num_threads() == 1
 
 

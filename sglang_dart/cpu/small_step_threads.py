@@ -8,12 +8,12 @@ torch on 2 threads and 20 ms on one. The linear layers, where a small forward's 
 cores: their few-row products run on the Rust team (`skinny_gemm`), which does not use torch's pool.
 
 So forwards of at most `SGLANG_DART_SMALL_STEP_TOKENS` tokens (default 64, the Rust product's reach,
-for float32 weights; for bf16 16 tokens of at most 4 requests, since torch's two threads win from about
-20 rows and the attention of many requests needs both cores; 0 turns this off)
-set torch to one thread, and larger ones (prefill, big batches) restore the process's configured count,
-read at the first forward. Only models whose linears the Rust product can take (float32, and bf16 where
-`skinny_gemm.rust_dtypes` offers it; `SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: other
-linears run on torch's pool, which needs every thread. The setting stays in force after the forward, so
+for float32 weights; for bf16 16, since torch's two threads win from about 20 rows; 0 turns this off)
+set torch to one thread, however many requests share the forward, and larger ones (prefill, big batches)
+restore the process's configured count, read at the first forward. Only models whose linears the Rust
+product can take (float32, and bf16 where `skinny_gemm.rust_dtypes` offers it;
+`SGLANG_DART_CPU_SKINNY_GEMM` auto or rust) are switched: other linears run on torch's pool, which needs
+every thread. The setting stays in force after the forward, so
 the sampler and the DART worker's draft forward and top-k of a small step run single-threaded too.
 Where this is on, the Rust team's helpers also poll for 1 ms after each product before sleeping
 (`SGLANG_DART_GEMM_SPIN_US`, unless set): torch's workers no longer need that core during a small
@@ -39,10 +39,10 @@ DEFAULT_TOKENS = 64
 # bf16: the Rust product beat torch's two threads up to about 20 rows on the AVX512-BF16 EPYC and lost
 # beyond (32 rows: 56 against 38 ms for SmolLM2's linears), and a forward on one thread leaves torch no
 # second thread for the rows it keeps: batch 4's trees of 8 (32 rows) ran 4% slower with 64 (run 43).
-# The attention of many requests needs both cores too: plain decoding at batch 16 (16 tokens) ran 15%
-# slower on one thread (run 44). So for bf16: at most 16 tokens and at most 4 requests.
+# Up to 16 tokens the request count does not matter: since the attention runs on the Rust team too
+# (`rust_attention`), plain decoding of 5, 8 and 16 requests on one torch thread ran 1.14-1.18x faster
+# than on two (run 122; run 44's 15% loss at 16 requests was torch's SDPA, which needed both cores).
 BF16_DEFAULT_TOKENS = 16
-BF16_MAX_REQUESTS = 4
 # How long the Rust team's helpers poll after a product where this is on, unless the user set it.
 TEAM_SPIN_US = 1000
 
@@ -78,16 +78,13 @@ def configured_threads() -> int:
     return threads
 
 
-def threads_for(num_tokens: int, dtype: torch.dtype = torch.float32, requests: int = 1) -> int:
-    limit = small_step_tokens(dtype)
-    if dtype == torch.bfloat16 and requests > BF16_MAX_REQUESTS:
-        return configured_threads()
-    return 1 if 0 < num_tokens <= limit else configured_threads()
+def threads_for(num_tokens: int, dtype: torch.dtype = torch.float32) -> int:
+    return 1 if 0 < num_tokens <= small_step_tokens(dtype) else configured_threads()
 
 
-def apply_for(num_tokens: int, dtype: torch.dtype = torch.float32, requests: int = 1) -> None:
+def apply_for(num_tokens: int, dtype: torch.dtype = torch.float32) -> None:
     configured_threads()
-    wanted = threads_for(num_tokens, dtype, requests)
+    wanted = threads_for(num_tokens, dtype)
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
 
@@ -135,8 +132,7 @@ def install() -> None:
         rust_linears = rust_takes_the_linears(self)
         log_openmp_spinning(rust_linears)
         if rust_linears and forward_batch.input_ids is not None:
-            requests = int(getattr(forward_batch, "batch_size", 1) or 1)
-            apply_for(_forward_tokens(forward_batch), self.dtype, requests)
+            apply_for(_forward_tokens(forward_batch), self.dtype)
         return sglang_forward(self, forward_batch, *args, **kwargs)
 
     forward._sglang_dart = True

@@ -36,13 +36,11 @@ def test_small_forwards_run_torch_on_one_thread_and_large_ones_get_the_configure
     assert _run(code) == "[1, 1, 1, 2, 2, 2, 1]"
 
 
-def test_bf16_forwards_keep_torchs_threads_past_16_tokens_or_4_requests():
-    cases = "((1, 1), (16, 1), (17, 1), (4, 4), (5, 5), (64, 1))"
-    code = f"print([s.threads_for(n, torch.bfloat16, r) for n, r in {cases}])"
-    assert _run(code) == "[1, 1, 2, 1, 2, 2]"
-    assert _run(code, **{small_step_threads.ENV: "64"}) == "[1, 1, 1, 1, 2, 1]"
-    # float32 has no request cap
-    assert _run("print(s.threads_for(16, torch.float32, 16))") == "1"
+def test_bf16_forwards_keep_torchs_threads_past_16_tokens_whatever_the_requests():
+    code = "print([s.threads_for(n, torch.bfloat16) for n in (1, 5, 16, 17, 32, 64)])"
+    assert _run(code) == "[1, 1, 1, 2, 2, 2]"
+    assert _run(code, **{small_step_threads.ENV: "32"}) == "[1, 1, 1, 1, 1, 2]"
+    assert _run("print(s.threads_for(64, torch.float32), s.threads_for(65, torch.float32))") == "1 2"
 
 
 def test_limit_comes_from_the_environment_and_zero_turns_it_off():
