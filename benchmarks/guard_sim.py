@@ -1,13 +1,16 @@
-"""The CPU default's guard (`GuardedTreeSizes`) in simulated traffic, with and without its stall clip and
-probe back-off (`adaptive_sizes.STALL_CLIP`, `PROBE_BACKOFF_BELOW`).
+"""The CPU default's guard (`GuardedTreeSizes`) in simulated traffic, as shipped (`now`) and without one of
+its defences (`before`, `--without`): the stall clip and probe back-off (`adaptive_sizes.STALL_CLIP`,
+`PROBE_BACKOFF_BELOW`), or the estimates that follow the machine's drift (`FOLLOW_DRIFT`).
 
 Requests of 128 tokens are served at a fixed batch size, the guard planning each step with the batch's
 rids as the worker does. A tree step costs `cost` root-only steps (+-5%) and accepts a geometric number of
-drafts (probability p per level, per request); a share of steps is stalled 2.5x, as this VM's are. Each
-row prints DART / plain for the guard without the two (`before`) and as shipped (`now`); plain decoding
-pays the same stalls. Lossless either way: only how many tokens a step verifies changes.
+drafts (probability p per level, per request); a share of steps is stalled 2.5x, as this VM's are, and
+with `--spells` a step may start a slow spell: 50 steps at 3x, as seen in run 121. Each row prints
+DART / plain; plain decoding pays the same stalls and spells. Lossless either way: only how many tokens a
+step verifies changes.
 
     python benchmarks/guard_sim.py --stalls 0 0.02 0.05 --seeds 4
+    python benchmarks/guard_sim.py --without drift --stalls 0.02 --spells 0.005
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from sglang_dart.dart.tree_sizes import TreeSizeSchedule
 TOKENS_PER_REQUEST = 128
 REQUESTS = 40
 STALL_FACTOR = 2.5
+SPELL_STEPS = 50
+SPELL_FACTOR = 3.0
 
 
 def traffic(name: str) -> list[float]:
@@ -46,26 +51,41 @@ def traffic(name: str) -> list[float]:
 MIXES = ("mixed", "alternating", "poor-few-good", "poor-then-good", "good-then-poor", "0.6", "0.3", "0.15")
 
 
+def step_slowdown(stall: float, spell: float) -> float:
+    """How much slower plain decoding's average step is for the stalls and spells (a spell starts at a
+    step outside one with probability `spell`: a share SPELL_STEPS * spell / (1 + SPELL_STEPS * spell) of
+    the steps run in one)."""
+    in_spell = SPELL_STEPS * spell / (1 + SPELL_STEPS * spell)
+    return (1 + stall * (STALL_FACTOR - 1)) * (1 + in_spell * (SPELL_FACTOR - 1))
+
+
 def serve(
-    acceptances: list[float], batch_size: int, cost: float, stall: float, seed: int
+    acceptances: list[float], batch_size: int, cost: float, stall: float, seed: int, spell: float = 0.0
 ) -> tuple[float, list[float]]:
     """Simulated seconds (a root-only step of one request = 1) to serve the requests, and each request's
     share of them (a step's time split evenly over its requests)."""
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # acceptance
+    machine = random.Random(seed + 10_000)  # step times, stalls and spells: alike for both guards' steps
     guard = GuardedTreeSizes(TreeSizeSchedule.parse("1:8,4:8", 8))
     queue = list(enumerate(acceptances))
     running: dict[str, list[float]] = {}  # rid -> [acceptance, tokens so far]
     total = 0.0
     shares = [0.0] * len(acceptances)
+    spell_left = 0
     while queue or running:
         while queue and len(running) < batch_size:
             rid, acceptance = queue.pop(0)
             running[str(rid)] = [acceptance, 0]
         rids = list(running)
         planned = guard.plan(len(rids), rids)
-        seconds = len(rids) * (cost if planned.size > 1 else 1.0) * rng.uniform(0.95, 1.05)
-        if rng.random() < stall:
+        seconds = len(rids) * (cost if planned.size > 1 else 1.0) * machine.uniform(0.95, 1.05)
+        if machine.random() < stall:
             seconds *= STALL_FACTOR
+        if spell_left == 0 and machine.random() < spell:
+            spell_left = SPELL_STEPS
+        if spell_left:
+            seconds *= SPELL_FACTOR
+            spell_left -= 1
         tokens = []
         for rid in rids:
             emitted = 1
@@ -84,18 +104,34 @@ def serve(
     return total, shares
 
 
+# What `before` turns off: the constants and the values that disable them.
+WITHOUT = {
+    "clip": {"STALL_CLIP": math.inf, "PROBE_BACKOFF_BELOW": 0.0},  # probes every explore_every steps
+    "drift": {"FOLLOW_DRIFT": False},  # estimates of sizes not in use stay as their probe left them
+}
+
+
 def speedup(
-    acceptances: list[float], batch_size: int, cost: float, stall: float, seeds: int, now: bool
+    acceptances: list[float],
+    batch_size: int,
+    cost: float,
+    stall: float,
+    seeds: int,
+    now: bool,
+    spell: float = 0.0,
+    without: str = "clip",
 ) -> tuple[float, float]:
     """DART / plain over the traffic and for its worst request (each averaged over the seeds)."""
-    clip, below = adaptive_sizes.STALL_CLIP, adaptive_sizes.PROBE_BACKOFF_BELOW
-    if not now:  # the guard before both: no clip, probes every explore_every steps
-        adaptive_sizes.STALL_CLIP, adaptive_sizes.PROBE_BACKOFF_BELOW = math.inf, 0.0
+    shipped = {name: getattr(adaptive_sizes, name) for name in WITHOUT[without]}
+    if not now:
+        for name, value in WITHOUT[without].items():
+            setattr(adaptive_sizes, name, value)
     try:
-        runs = [serve(acceptances, batch_size, cost, stall, seed) for seed in range(seeds)]
+        runs = [serve(acceptances, batch_size, cost, stall, seed, spell) for seed in range(seeds)]
     finally:
-        adaptive_sizes.STALL_CLIP, adaptive_sizes.PROBE_BACKOFF_BELOW = clip, below
-    plain_request = TOKENS_PER_REQUEST * (1 + stall * (STALL_FACTOR - 1))
+        for name, value in shipped.items():
+            setattr(adaptive_sizes, name, value)
+    plain_request = TOKENS_PER_REQUEST * step_slowdown(stall, spell)
     seconds = sum(total for total, _ in runs) / seeds
     by_request = [sum(shares[i] for _, shares in runs) / seeds for i in range(len(acceptances))]
     return len(acceptances) * plain_request / seconds, plain_request / max(by_request)
@@ -116,6 +152,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--costs", type=float, nargs="+", default=[1.3, 1.6, 2.0, 3.0])
     parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--spells", type=float, default=0.0, help="chance a step starts a slow spell")
+    parser.add_argument("--without", choices=sorted(WITHOUT), default="clip", help="what `before` lacks")
     args = parser.parse_args()
     for stall in args.stalls:
         worst = {False: math.inf, True: math.inf}
@@ -125,7 +163,9 @@ def main() -> None:
         for batch_size, cost, mix in grid(args):
             ratios = {}
             for now in (False, True):
-                ratios[now] = speedup(traffic(mix), batch_size, cost, stall, args.seeds, now)
+                ratios[now] = speedup(
+                    traffic(mix), batch_size, cost, stall, args.seeds, now, args.spells, args.without
+                )
                 worst[now] = min(worst[now], ratios[now][0])
                 worst_request[now] = min(worst_request[now], ratios[now][1])
                 logs[now] += math.log(ratios[now][0])

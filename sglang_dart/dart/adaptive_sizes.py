@@ -10,7 +10,8 @@ moving average of step seconds and of tokens emitted per step, both per request 
 to 2x in size), and picks the size with the most tokens per second. Every candidate is tried at least `warmup`
 times first (their plain mean: one step slowed down by the VM must not decide). After that, one step in
 `explore_every` probes another size, in turn a neighbour of the best and the root alone (plain decoding, the
-size that must never be lost to), and that probe's step time replaces the size's: the costs of sizes not in
+size that must never be lost to), and that probe's step time replaces the size's (measured against the next
+step of the size in use, whose drift the estimate then follows: `FOLLOW_DRIFT`): the costs of sizes not in
 use go stale, and a stale one that is too high would otherwise never be tried again (a probe that comes out
 too low makes its size the chosen one, which is measured every step from then on and so corrects itself within
 a few steps). A size replaces the one in use only if it measures 5% faster, so noise alone does not move the
@@ -71,6 +72,23 @@ CLIP_AFTER = 3
 # less are the ones better traffic soonest makes pay, and probes are how the guard finds out.
 PROBE_BACKOFF_BELOW = 0.5
 MAX_PROBE_BACKOFF = 8
+# The machine's speed drifts (a shared VM: tens of percent within minutes, spells of 2-4x slower steps),
+# and the size in use is timed every step while the others are timed by a probe now and then. Compared
+# raw, a drift reads as a change of one size's cost: a slow spell made the tree in use look slower than
+# the root alone's stale estimate, and a probe of the root alone just after it beat the tree's spell-time
+# estimate, so root-only steps ran until the next probe of the tree (run 121: ~45 s with probes backed
+# off). So a probe is judged against the step of the size in use that follows it (its time as a share
+# of that step's, applied to the size in use's estimate), and while FOLLOW_DRIFT every step of the size in
+# use scales the estimates probes left by its own change: between probes the sizes keep the ratio of
+# costs the last probe measured. (A size with regular steps of its own, a held request's root-only steps,
+# keeps its own estimate.) Simulated over 64 traffic/cost cases with 2% of steps stalled and slow spells
+# (`benchmarks/guard_sim.py --stalls 0.02 --spells 0.005 --seeds 4`): worst case 0.962x -> 1.008x plain,
+# geometric mean 1.174x -> 1.197x; without spells (0-5% stalled) 0.972-0.974x and 1.116-1.118x before
+# and after.
+FOLLOW_DRIFT = True
+# A step of the size in use this far from its estimate (either way) says the machine changed speed: a
+# probe just before it is measured against it, not against the estimate (steps vary by a few percent).
+MACHINE_CHANGED = 1.25
 # A batch the guard holds at the root alone for its requests' poor drafts (while its bucket runs trees)
 # still runs a tree one step in this many: its requests' acceptance is only measured on tree steps, and a
 # request judged on a few unlucky ones must get the chance to show better. (Spacing rechecks by what they
@@ -84,6 +102,7 @@ class _SizeStats:
     seconds: float = 0.0  # moving average of one step's wall time
     tokens: float = 0.0  # moving average of tokens emitted by one step (all requests)
     samples: int = 0
+    anchored: bool = False  # the estimate is a probe's, relative to the size in use (FOLLOW_DRIFT)
 
     def add(self, seconds: float, tokens: float, weight: float, tokens_weight: float) -> None:
         # The plain mean while there are few samples, then a moving average.
@@ -107,6 +126,7 @@ class _Bucket:
     chosen: int | None = None  # the size in use (logged when it changes); None during the warm-up
     held: int = 0  # steps held at the root alone for their requests' poor drafts (`GuardedTreeSizes`)
     probe_gap: int = 0  # steps between regular probes; 0 until a probe backs off (`PROBE_BACKOFF_BELOW`)
+    pending: tuple[int, float, float] | None = None  # a probe's size, seconds, tokens, per request
 
 
 def candidate_sizes(max_size: int) -> tuple[int, ...]:
@@ -246,9 +266,50 @@ class AdaptiveTreeSizes:
         # Raw, the two averages described different batches and a size in use looked up to 1.5x faster
         # or slower than it was; per request they compare like with like.
         requests = max(batch_size, 1)
-        stats.add(seconds / requests, float(tokens) / requests, weight, self.tokens_smoothing)
-        if probe and bucket.chosen is not None and size != bucket.chosen:
-            self._pace_probes(bucket, stats)
+        seconds, per_request = seconds / requests, float(tokens) / requests
+        in_use = bucket.stats.get(bucket.chosen) if bucket.chosen is not None else None
+        if in_use is None or stats is not in_use:
+            if probe and in_use is not None and in_use.samples >= CLIP_AFTER:
+                bucket.pending = (size, seconds, per_request)  # judged against the next step in use
+                return
+            stats.add(seconds, per_request, weight, self.tokens_smoothing)
+            stats.anchored = False
+            if probe and in_use is not None:
+                self._pace_probes(bucket, stats)
+            return
+        before = stats.seconds
+        stats.add(seconds, per_request, weight, self.tokens_smoothing)
+        if before > 0 and FOLLOW_DRIFT:
+            self._follow_drift(bucket, stats, stats.seconds / before)
+        if bucket.pending is not None:
+            self._judge_probe(bucket, stats, self._probe_reference(before, seconds))
+
+    @staticmethod
+    def _follow_drift(bucket: _Bucket, in_use: _SizeStats, factor: float) -> None:
+        """The size in use changed its time by `factor`: scale the estimates probes left alike."""
+        for stats in bucket.stats.values():
+            if stats is not in_use and stats.anchored:
+                stats.seconds *= factor
+
+    @staticmethod
+    def _probe_reference(estimate: float, step: float) -> float:
+        """What a probe's time is measured against: the estimate of the size in use (steadier than one
+        step), unless the step after the probe shows the machine changed speed (MACHINE_CHANGED), then
+        that step, counted as at most STALL_CLIP of the estimate (it may be a stall)."""
+        if estimate <= 0:
+            return step
+        if estimate / MACHINE_CHANGED <= step <= estimate * MACHINE_CHANGED:
+            return estimate
+        return min(step, STALL_CLIP * estimate)
+
+    def _judge_probe(self, bucket: _Bucket, in_use: _SizeStats, reference: float) -> None:
+        """The pending probe's time as a share of `reference`, applied to the size in use's estimate."""
+        size, seconds, tokens = bucket.pending
+        bucket.pending = None
+        probed = bucket.stats[size]
+        probed.add(in_use.seconds * seconds / reference, tokens, PROBE_WEIGHT, self.tokens_smoothing)
+        probed.anchored = True
+        self._pace_probes(bucket, probed)
 
     def _pace_probes(self, bucket: _Bucket, probed: _SizeStats) -> None:
         """After a probe: probe less often while what it tried stays far behind the size in use."""

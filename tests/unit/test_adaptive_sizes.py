@@ -187,7 +187,9 @@ def test_a_planned_probe_that_never_ran_leaves_nothing_behind():
     before = chooser._bucket(1).stats[1].seconds
     chooser.record(1, 1, 1.4 * before, 1.0)  # the root alone's next step, regular and slower
     assert chooser._bucket(1).stats[1].seconds == pytest.approx(before + 0.2 * 0.4 * before)
-    chooser.record(1, 1, before, 1.0, probe=True)  # a probe that ran replaces the estimate
+    chooser.record(1, 1, before, 1.0, probe=True)  # a probe that ran replaces the estimate,
+    tree = chooser._bucket(1).stats[8].seconds
+    chooser.record(1, 8, tree, _accepts(1, 8))  # once the size in use's next step shows the same machine
     assert chooser._bucket(1).stats[1].seconds == pytest.approx(before)
 
 
@@ -227,6 +229,52 @@ def test_stalled_steps_do_not_hand_the_steps_to_trees_that_lose(seed):
 
     picked = _run(chooser, 1, 5000, seconds, tokens)
     assert picked[8] <= 0.16 * 5000
+
+
+def test_a_probe_is_judged_against_the_next_step_in_use_and_then_follows_its_drift():
+    """A probe's time counts as a share of the next step of the size in use where the machine changed
+    speed between the two (a step 1.4x its estimate), and from then on the probed size's estimate moves
+    with the size in use's: the machine staying slower keeps the ratio the probe measured."""
+    chooser = _guarded("1:8")
+    tree_seconds = lambda bs, size: 0.05 * (1.3 if size > 1 else 1.0)  # noqa: E731
+    _run(chooser, 1, 220, tree_seconds, _accepts)  # trees chosen; the last probe at step 200
+    bucket = chooser._bucket(1)
+    tree, root = bucket.stats[8], bucket.stats[1]
+    assert bucket.chosen == 8
+    slower = 1.4 * 0.065
+    chooser.record(1, 1, 0.04, 1.0, probe=True)  # the root alone at 0.04 s ...
+    assert bucket.pending is not None and root.seconds == pytest.approx(0.05)
+    chooser.record(1, 8, slower, _accepts(1, 8))  # ... and the machine 1.4x slower by the next step
+    assert root.seconds == pytest.approx(tree.seconds * 0.04 / slower)  # a share of that step, not 0.04
+    ratio = root.seconds / tree.seconds
+    for _ in range(40):
+        chooser.record(1, 8, slower, _accepts(1, 8))
+    assert tree.seconds == pytest.approx(slower, rel=0.01)
+    assert root.seconds / tree.seconds == pytest.approx(ratio)
+    chooser.record(1, 1, root.seconds, 1.0)  # a regular step of the root alone (a held request) ...
+    own = root.seconds
+    for _ in range(10):
+        chooser.record(1, 8, 1.2 * slower, _accepts(1, 8))
+    assert root.seconds == own  # ... keeps its estimate its own
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_slow_spell_does_not_hand_the_steps_to_the_root_alone(seed):
+    """Trees of 8 that pay (1.3x a plain step's cost, 2.4 tokens), and spells of 50 steps at 3x, as the
+    VM has (run 121). Compared with the stale estimate of the root alone, a spell made the tree in use
+    look slower and, after it, the root's fresh steps beat the tree's spell-time estimate: root-only
+    steps ran until probes put it right. Following the drift only probes run the root alone."""
+    rng = random.Random(seed)
+    chooser = _guarded("1:8")
+    step = {"n": 0}
+
+    def seconds(bs: int, size: int) -> float:
+        step["n"] += 1
+        spell = 3.0 if step["n"] % 400 >= 350 else 1.0  # the last 50 steps of every 400
+        return 0.05 * (1.3 if size > 1 else 1.0) * rng.uniform(0.95, 1.05) * spell
+
+    picked = _run(chooser, 1, 4000, seconds, _accepts)
+    assert picked[1] <= GUARD_SETTLE_SAMPLES + 4000 // 50
 
 
 def test_auto_is_read_from_the_environment(tmp_path, monkeypatch):
@@ -362,7 +410,8 @@ def test_probes_of_trees_far_behind_back_off_and_come_back():
 def test_probes_of_trees_that_lose_by_less_do_not_back_off():
     """Trees at 0.6x the root alone's rate are probed every 50 steps, as before."""
     chooser = _guarded("1:8")
-    picked = _run(chooser, 1, 1000, lambda bs, size: 0.05 * (2.0 if size > 1 else 1.0), lambda bs, size: 1.2)
+    tokens = lambda bs, size: 1.2 if size > 1 else 1.0  # noqa: E731
+    picked = _run(chooser, 1, 1000, lambda bs, size: 0.05 * (2.0 if size > 1 else 1.0), tokens)
     assert chooser.best(1) == 1
     assert chooser._bucket(1).probe_gap == 0
     assert picked[8] >= chooser.warmup + 1000 // 50 - 2
