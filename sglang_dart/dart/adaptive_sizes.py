@@ -307,6 +307,8 @@ class AdaptiveTreeSizes:
         size, seconds, tokens = bucket.pending
         bucket.pending = None
         probed = bucket.stats[size]
+        if probed is in_use:  # the probed size was chosen meanwhile: its own steps measure it now
+            return
         probed.add(in_use.seconds * seconds / reference, tokens, PROBE_WEIGHT, self.tokens_smoothing)
         probed.anchored = True
         self._pace_probes(bucket, probed)

@@ -258,6 +258,17 @@ def test_a_probe_is_judged_against_the_next_step_in_use_and_then_follows_its_dri
     assert root.seconds == own  # ... keeps its estimate its own
 
 
+def test_a_probe_whose_size_was_chosen_before_it_was_judged_is_dropped():
+    chooser = _guarded("1:8")
+    _run(chooser, 1, 220, lambda bs, size: 0.05 * (1.3 if size > 1 else 1.0), _accepts)
+    bucket = chooser._bucket(1)
+    chooser.record(1, 1, 0.01, 1.0, probe=True)
+    bucket.chosen = 1  # (a held request's steps moved the choice meanwhile)
+    before = bucket.stats[1].seconds
+    chooser.record(1, 1, before, 1.0)  # the root alone's own step: the probe is not applied to itself
+    assert bucket.pending is None and bucket.stats[1].seconds == pytest.approx(before)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_slow_spell_does_not_hand_the_steps_to_the_root_alone(seed):
     """Trees of 8 that pay (1.3x a plain step's cost, 2.4 tokens), and spells of 50 steps at 3x, as the
@@ -274,7 +285,8 @@ def test_a_slow_spell_does_not_hand_the_steps_to_the_root_alone(seed):
         return 0.05 * (1.3 if size > 1 else 1.0) * rng.uniform(0.95, 1.05) * spell
 
     picked = _run(chooser, 1, 4000, seconds, _accepts)
-    assert picked[1] <= GUARD_SETTLE_SAMPLES + 4000 // 50
+    # Settling and probes (~100); estimates that did not follow the drift: 113-119; judged raw: ~550.
+    assert picked[1] <= GUARD_SETTLE_SAMPLES + 4000 // 50 + 10
 
 
 def test_auto_is_read_from_the_environment(tmp_path, monkeypatch):
