@@ -75,9 +75,8 @@ class Measurement:
 
 def _cpu_seconds(server) -> float:
     """User + system CPU time of the server and all its processes (scheduler, detokenizer, ...)."""
-    root = psutil.Process(server.proc.pid)
     total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
+    for proc in server.processes():
         try:
             times = proc.cpu_times()
             total += times.user + times.system

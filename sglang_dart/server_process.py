@@ -283,17 +283,24 @@ class SglangServer(SglangClient):
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    def resident_bytes(self) -> int:
-        """Resident memory of the server's processes (launcher, scheduler, detokenizer), 0 once stopped."""
+    def processes(self) -> list[psutil.Process]:
+        """The launcher and every process under it (scheduler, detokenizer, ...); none once stopped."""
         if not self.alive():
-            return 0
-        total = 0
+            return []
         try:
             launcher = psutil.Process(self.proc.pid)
-            for process in [launcher, *launcher.children(recursive=True)]:
+            return [launcher, *launcher.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def resident_bytes(self) -> int:
+        """Resident memory of the server's processes (launcher, scheduler, detokenizer), 0 once stopped."""
+        total = 0
+        for process in self.processes():
+            try:
                 total += process.memory_info().rss
-        except psutil.Error:  # a process left between listing and reading: count what was read
-            pass
+            except psutil.Error:  # it left between listing and reading: count the others
+                pass
         return total
 
     def stop(self) -> None:

@@ -96,6 +96,8 @@ def test_a_servers_memory_counts_its_child_processes_and_the_room_check_refuses_
     server.proc = subprocess.Popen(command, stdout=subprocess.PIPE, start_new_session=True, text=True)
     try:
         assert server.proc.stdout.readline().strip() == "up"
+        assert [p.pid for p in server.processes()][0] == server.proc.pid
+        assert len(server.processes()) == 2  # the launcher and its worker
         held = server.resident_bytes()
         assert held >= HELD_MIB << 20
         check_room_for(0, server)
@@ -105,4 +107,4 @@ def test_a_servers_memory_counts_its_child_processes_and_the_room_check_refuses_
             check_room_for(too_many, server)
     finally:
         server.stop()
-    assert server.resident_bytes() == 0
+    assert server.resident_bytes() == 0 and server.processes() == []
