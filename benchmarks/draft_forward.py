@@ -12,7 +12,10 @@ K/V and commits `--accepted` tokens per step.
 
 `--after verify` (the default) times what a decode step runs after its verify: the accepted path's
 residual store and `DraftForward.block_step` over a `--tree-size` tree (laid out on the device, `size + 1
-+ masks` rows per request). `--after prefill` times `DraftForward.step`, the draft after a prefill.
++ masks` rows per request). `--after prefill` times `DraftForward.step` over the `--accepted` entries
+(every entry attending); `--after prefill-newest` times `DraftForward.step_from_newest`, what a prefill
+runs (the entries before the newest stored as K/V alone, then the newest and the mask slots drafted):
+`--prefix 1 --accepted P` is a prompt of P + 1 tokens.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ def _time_steps(
     def after_prefill(depth: int | None) -> None:
         runner.step(rpi, first, last, next_tokens, depth)
 
+    def after_prefill_from_newest(_depth: int | None) -> None:
+        runner.step_from_newest(rpi, first, last, next_tokens)
+
     # After a verify: request r's root sits at position `prefix` (its entries before are stored), its tree
     # nodes are verify rows r * size .. r * size + size - 1, and the first `accepted` of them are its path.
     size = args.tree_size
@@ -89,7 +95,9 @@ def _time_steps(
             rows_t, committed_list, committed, path_nodes, accept_lens, predict, roots, depth or full
         )
 
-    draft = after_verify if args.after == "verify" else after_prefill
+    draft = {"verify": after_verify, "prefill": after_prefill, "prefill-newest": after_prefill_from_newest}[
+        args.after
+    ]
     with torch.no_grad():
         for depth in depths:  # warm-up
             draft(depth)
@@ -114,14 +122,16 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--prefix", type=int, default=200)
     parser.add_argument("--accepted", type=int, default=2, help="tokens each request commits per step")
-    parser.add_argument("--after", choices=["verify", "prefill"], default="verify", help="which draft path")
+    parser.add_argument(
+        "--after", choices=["verify", "prefill", "prefill-newest"], default="verify", help="which draft path"
+    )
     parser.add_argument("--tree-size", type=int, default=8, help="the verified tree's nodes (--after verify)")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     drafter = _drafter(getattr(torch, args.dtype), args.draft_length, args.draft_vocab)
     full = args.draft_length + 1
-    depths = [None] + sorted({d for d in args.depths if 0 < d < full})
+    depths = [None] + sorted({d for d in args.depths if 0 < d < full and args.after != "prefill-newest"})
     print(
         f"draft step after a {args.after}, {args.dtype}, d = {args.draft_length}, prefix {args.prefix}, "
         f"{args.accepted} committed" + (f", trees of {args.tree_size}" if args.after == "verify" else "")

@@ -4,7 +4,12 @@ decoding of the same target, one request at a time. The difference per step is t
 DART step adds (pruning, verify set-up, acceptance, the draft forward), the part that does not shrink on
 a GPU. With --profile the DART server logs its per-phase times (`SGLANG_DART_PROFILE=1`).
 
-    .venv/bin/python benchmarks/step_overhead.py [--requests 8] [--new-tokens 64] [--profile] [--out DIR]
+    .venv/bin/python benchmarks/step_overhead.py [--requests 8] [--new-tokens 64] [--batch 1]
+        [--tree-sizes fixed] [--profile] [--out DIR]
+
+--batch N keeps N requests in flight (the scheduler's per-step work grows with the batch); --tree-sizes
+sets the DART server's schedule (SGLANG_DART_TREE_SIZES): `1:1` makes every step root-only, the steps a
+guard chooses when trees do not pay, which run as plain decode forwards.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support: tiny model, drafter
@@ -23,17 +29,21 @@ from tests.support.dart_serving import dart_server_args  # noqa: E402
 from tests.support.tiny_models import build_tiny_model  # noqa: E402
 
 
-def per_step(server: SglangServer, requests: int, new_tokens: int) -> tuple[float, float]:
-    """Milliseconds per decode step and tokens per step over `requests` sequential requests."""
+def per_step(server: SglangServer, requests: int, new_tokens: int, batch: int) -> tuple[float, float]:
+    """Milliseconds per decode step (of the whole batch) and tokens per step of a request, over
+    `requests` requests with `batch` of them in flight."""
     params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
-    server.generate({"text": "warm up", "sampling_params": params})
-    tokens = steps = 0
-    start = time.perf_counter()
-    for i in range(requests):
-        out = server.generate({"text": f"prompt number {i} is here", "sampling_params": params})
-        tokens += len(out["output_ids"])
-        steps += out["meta_info"].get("spec_verify_ct") or len(out["output_ids"])
-    return 1000 * (time.perf_counter() - start) / steps, tokens / steps
+    generate = lambda i: server.generate(  # noqa: E731
+        {"text": f"prompt number {i} is here", "sampling_params": params}
+    )
+    with ThreadPoolExecutor(max_workers=batch) as pool:
+        list(pool.map(generate, range(-batch, 0)))  # warm up at this batch size
+        start = time.perf_counter()
+        outs = list(pool.map(generate, range(requests)))
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(out["output_ids"]) for out in outs)
+    steps = sum(out["meta_info"].get("spec_verify_ct") or len(out["output_ids"]) for out in outs)
+    return 1000 * elapsed * batch / steps, tokens / steps
 
 
 def main() -> None:
@@ -42,6 +52,8 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1, help="requests in flight")
+    parser.add_argument("--tree-sizes", default="fixed", help="the DART server's SGLANG_DART_TREE_SIZES")
     parser.add_argument("--profile", action="store_true", help="per-phase times in the DART server's log")
     parser.add_argument("--out", type=Path, default=Path("step-overhead"))
     args = parser.parse_args()
@@ -49,7 +61,8 @@ def main() -> None:
     model = build_tiny_model(args.out / "qwen3", arch="qwen3")
     draft = build_random_drafter(args.out / "draft", model)
     store = build_store_for(model, args.out / "stdlib.store")
-    os.environ["SGLANG_DART_TREE_SIZES"] = "fixed"  # trees of 8 at every step, whatever they pay
+    # By default trees of 8 at every step, whatever they pay.
+    os.environ["SGLANG_DART_TREE_SIZES"] = args.tree_sizes
     if args.profile:
         os.environ["SGLANG_DART_PROFILE"] = "1"
     f32 = ["--dtype", "float32"]
@@ -60,7 +73,9 @@ def main() -> None:
     try:
         for server in servers.values():
             server.start()
-        results = {name: per_step(s, args.requests, args.new_tokens) for name, s in servers.items()}
+        results = {
+            name: per_step(s, args.requests, args.new_tokens, args.batch) for name, s in servers.items()
+        }
     finally:
         for server in servers.values():
             server.stop()

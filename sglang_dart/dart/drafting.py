@@ -270,6 +270,23 @@ class DraftForward:
         return logits.view(bs, d + 1, -1)
 
     @torch.no_grad()
+    def step_from_newest(
+        self, rows: list[int], first: list[int], last: list[int], next_tokens: list[int]
+    ) -> torch.Tensor:
+        """`step`'s logits for the same arguments (no `depths`), for less work: only the rows that give
+        logits attend. Entries first[r]..last[r]-1 are stored as `store_entries` stores them (their K/V
+        alone: no query, no attention), then the newest entry and the mask slots are drafted over them.
+        A prefill's draft attends from every prompt token otherwise, queries and attention that no logit
+        reads: O(prompt^2) for a prompt of thousands of tokens."""
+        self.store_entries(rows, first, last, next_tokens)
+        newest: list[int] = []
+        offset = 0
+        for a, b in zip(first, last, strict=True):
+            offset += b - a + 1
+            newest.append(next_tokens[offset - 1])  # the token after entry b
+        return self.step(rows, list(last), list(last), newest)
+
+    @torch.no_grad()
     def rehearse(
         self,
         bs: int,
@@ -500,8 +517,9 @@ class Drafting:
         self.pending: dict[str, int] = {}  # rid -> its first entry whose K/V is not stored
 
     def after_extend(self, batch: Any, taps: torch.Tensor, sampled: torch.Tensor) -> None:
-        """Draft from a prefill: every extended token's residual is stored, then one draft step per request
-        over its new entries (the entry before the chunk too: its next token was not known before)."""
+        """Draft from a prefill: every extended token's residual is stored, then the K/V of each request's
+        new entries (the entry before the chunk too: its next token was not known before), and one draft
+        step from the newest entry (`DraftForward.step_from_newest`)."""
         runner = self.forward
         rows = request_rows(batch)
         firsts, lasts, nexts, prefixes, ends = [], [], [], [], []
@@ -524,7 +542,7 @@ class Drafting:
         # The taps rows are the extend tokens of every request, in batch order: one fused write for all.
         with self.timer.phase("draft"):
             runner.store_residuals(runner.slots_of(rows, prefixes, ends), taps[: sum(batch.extend_lens)])
-            logits = runner.step(rows, firsts, lasts, nexts)
+            logits = runner.step_from_newest(rows, firsts, lasts, nexts)
         self.trees.keep(batch.reqs, logits, [self.progress.of(req) for req in batch.reqs])
 
     def capture_ahead(

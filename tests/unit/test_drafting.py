@@ -58,7 +58,10 @@ def _draft_forward(
     )
 
 
-def test_batched_steps_match_single_request_forward(tmp_path):
+@pytest.mark.parametrize("draft_step", ["step", "step_from_newest"])
+def test_batched_steps_match_single_request_forward(tmp_path, draft_step):
+    """Both ways of drafting from several entries (every entry attending, or the entries before the
+    newest stored as K/V alone, as a prefill does) give the single-request drafter's logits."""
     path = _write_checkpoint(tmp_path / "draft")
     drafter = load_drafter(path, _embedding(), H, V, dtype=torch.float32)
     gen = torch.Generator().manual_seed(5)
@@ -68,6 +71,7 @@ def test_batched_steps_match_single_request_forward(tmp_path):
     req_to_token[1] = perm[:max_len].to(torch.int32)
     req_to_token[3] = perm[max_len : 2 * max_len].to(torch.int32)
     runner = _draft_forward(path, req_to_token, num_slots)
+    step = getattr(runner, draft_step)
     rpi = torch.tensor([1, 3])
     lengths = [7, 4]  # prompt lengths
     total = [14, 12]  # tokens known by the end of the test
@@ -82,7 +86,7 @@ def test_batched_steps_match_single_request_forward(tmp_path):
     for r in range(2):
         runner.store_residuals(req_to_token[rpi[r], : lengths[r]].long(), aux[r][: lengths[r]])
     nxt = torch.cat([tokens[r][1 : lengths[r] + 1] for r in range(2)])
-    logits = runner.step(rpi.tolist(), [0, 0], [lengths[0] - 1, lengths[1] - 1], nxt.tolist())
+    logits = step(rpi.tolist(), [0, 0], [lengths[0] - 1, lengths[1] - 1], nxt.tolist())
     for r in range(2):
         torch.testing.assert_close(logits[r], reference(r, lengths[r]), atol=1e-4, rtol=1e-4)
 
@@ -97,7 +101,7 @@ def test_batched_steps_match_single_request_forward(tmp_path):
         committed = [c + n for c, n in zip(committed, new, strict=True)]
         last = [c - 1 for c in committed]
         nxt = torch.cat([tokens[r][first[r] + 1 : last[r] + 2] for r in range(2)])
-        logits = runner.step(rpi.tolist(), first, last, nxt.tolist())
+        logits = step(rpi.tolist(), first, last, nxt.tolist())
         for r in range(2):
             torch.testing.assert_close(logits[r], reference(r, committed[r]), atol=1e-4, rtol=1e-4)
 
@@ -190,9 +194,9 @@ def test_deferred_residuals_land_in_step_order_before_any_other_access(tmp_path)
 def test_a_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_path):
     """The draft model, SGLang's pools and req_to_token on the meta device (a device with no data: reading
     a value back raises, and so does an op mixing a meta tensor with a host one), the request layout in
-    host lists as the worker passes it: a prefill draft, a draft after a verify and a store-only step all
-    run, give logits of the right shape on that device, and hand the attention backend an extend batch
-    whose tensors all live there."""
+    host lists as the worker passes it: prefill drafts (every entry attending, or the newest alone), a draft
+    after a verify and a store-only step all run, give logits of the right shape on that device, and hand
+    the attention backend an extend batch whose tensors all live there."""
     req_to_token = torch.zeros(4, 40, dtype=torch.int32, device="meta")
     runner = _draft_forward(_write_checkpoint(tmp_path / "draft"), req_to_token, 200, _RecordingBackend)
     assert runner.residual.device.type == "meta"
@@ -201,8 +205,12 @@ def test_a_step_on_an_accelerator_reads_nothing_back_and_mixes_no_devices(tmp_pa
         torch.zeros(11, dtype=torch.int64, device="meta"), torch.zeros(11, 3 * H, device="meta")
     )
     cfg = runner.model.cfg
+    full = (2, cfg.draft_length + 1, cfg.draft_vocab_size)
     logits = runner.step(rows, [0, 0], [6, 3], list(range(11)))
-    assert logits.device.type == "meta" and logits.shape == (2, cfg.draft_length + 1, cfg.draft_vocab_size)
+    assert logits.device.type == "meta" and logits.shape == full
+    logits = runner.step_from_newest(rows, [0, 0], [6, 3], list(range(11)))  # a prefill's
+    assert logits.device.type == "meta" and logits.shape == full
+    assert runner.draft_runner.attn_backend.batch.extend_prefix_lens_cpu == [6, 3]
     logits = runner.step(rows, [6, 3], [9, 3], [1, 2, 3, 4, 5], depths=3)
     assert logits.shape[:2] == (2, 3)
     batch = runner.draft_runner.attn_backend.batch
