@@ -157,11 +157,7 @@ class DraftForward:
         head or mask slots (next_tokens as for `step`: grouped per request, the token after each entry), and
         their columns of the draft's request table (block steps write it from their own first column on)."""
         self.fuse_deferred()
-        tokens: list[int] = []
-        offset = 0
-        for a, b in zip(first, last, strict=True):  # the newest entry (b) has no slot yet
-            tokens.extend(next_tokens[offset : offset + b - a])
-            offset += b - a + 1
+        tokens, _ = _split_at_newest(first, last, next_tokens)  # the newest entry has no slot yet
         if not tokens:
             return
         # An entry's position is its column; its residual is its token's, its K/V in the next token's slot.
@@ -279,11 +275,7 @@ class DraftForward:
         A prefill's draft attends from every prompt token otherwise, queries and attention that no logit
         reads: O(prompt^2) for a prompt of thousands of tokens."""
         self.store_entries(rows, first, last, next_tokens)
-        newest: list[int] = []
-        offset = 0
-        for a, b in zip(first, last, strict=True):
-            offset += b - a + 1
-            newest.append(next_tokens[offset - 1])  # the token after entry b
+        _, newest = _split_at_newest(first, last, next_tokens)
         return self.step(rows, list(last), list(last), newest)
 
     @torch.no_grad()
@@ -823,6 +815,22 @@ def _tokens_after(at: Progress, first: int, new_tokens: list[int]) -> list[int]:
     """The token after each entry from `first` on: the request's tokens at positions first + 1 up to its
     root (kept in `recent`), then the step's new tokens."""
     return [*at.recent[len(at.recent) - (at.committed - first) :], *new_tokens]
+
+
+def _split_at_newest(
+    first: list[int], last: list[int], next_tokens: list[int]
+) -> tuple[list[int], list[int]]:
+    """next_tokens grouped per request as `DraftForward.step` takes them (the token after each of entries
+    first[r]..last[r]), split into the tokens after the entries before each newest one, and the token
+    after each newest entry."""
+    before: list[int] = []
+    newest: list[int] = []
+    offset = 0
+    for a, b in zip(first, last, strict=True):
+        before.extend(next_tokens[offset : offset + b - a])
+        newest.append(next_tokens[offset + b - a])
+        offset += b - a + 1
+    return before, newest
 
 
 def _ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
