@@ -24,7 +24,9 @@ Four forms compute the same product:
   the float32 product's AVX2 tiles on weights widened as they load: on the AVX2-only EPYC, where torch's
   bf16 products cost in proportion to their rows, 16-21 ms for one row and 26-37 for 8 against torch's
   17-21 and 116-143 (run 119). `auto` offers it where it has either kernel and the CPU no AMX
-  (`bf16_kernel_pays`).
+  (`bf16_kernel_pays`). float16 weights (SGLang's `--dtype auto` serves a float32 checkpoint in float16)
+  go to `skinny_matmul_f16`, the same AVX2 tiles with each weight widened by F16C: torch's float16
+  products cost in proportion to their rows on every CPU of ours (`f16_rust_only`).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
 weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread count: the forms are timed
 and the fastest is kept. `gemm_tuning` times every bucket of a model's weights when it is loaded; a bucket
@@ -61,9 +63,11 @@ from torch import nn
 
 from sglang_dart._core import (
     SKINNY_BF16_KERNEL,
+    SKINNY_F16_KERNEL,
     SKINNY_MATMUL_MAX_ROWS,
     skinny_matmul,
     skinny_matmul_bf16,
+    skinny_matmul_f16,
 )
 
 logger = logging.getLogger(__name__)
@@ -147,20 +151,25 @@ def _size_rust_team() -> None:
 
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:
-    # numpy has no bfloat16: the same bytes as uint16, no copy.
+    # numpy has no bfloat16: the same bytes as uint16, no copy (float16 passes as bits too).
     return t.view(torch.int16).numpy().view(np.uint16)
+
+
+# The Rust product of half-precision weights, by dtype: on their bits.
+_HALF_PRODUCTS = {torch.bfloat16: skinny_matmul_bf16, torch.float16: skinny_matmul_f16}
 
 
 def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _size_rust_team()
     out = x.new_empty(x.shape[0], weight.shape[0])
-    if x.dtype == torch.bfloat16:
+    half_product = _HALF_PRODUCTS.get(x.dtype)
+    if half_product is not None:
         x, weight_bits = x.contiguous(), _bf16_bits(weight.detach())
-        # Past the product's row limit (prefill, `bf16_rust_only`) in blocks of rows: a row's bits do not
+        # Past the product's row limit (prefill, `half_rust_only`) in blocks of rows: a row's bits do not
         # depend on the others.
         for first in range(0, x.shape[0], SKINNY_MATMUL_MAX_ROWS):
             block = slice(first, first + SKINNY_MATMUL_MAX_ROWS)
-            skinny_matmul_bf16(_bf16_bits(x[block]), weight_bits, _bf16_bits(out[block]))
+            half_product(_bf16_bits(x[block]), weight_bits, _bf16_bits(out[block]))
     else:
         skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
     return out
@@ -181,11 +190,39 @@ def bf16_kernel_pays() -> bool:
     return SKINNY_BF16_KERNEL != "portable" and not _cpu_has_amx()
 
 
+@functools.cache
+def f16_kernel_pays() -> bool:
+    """Whether `auto` gives float16 products to Rust: where its AVX2/F16C kernel runs and the CPU has no AMX
+    (AMX CPUs also have AVX512-FP16, which torch's float16 products were not measured against). On the
+    AVX512-BF16 EPYC, all of SmolLM2's layer shapes and its lm_head in float16: torch 1.4 / 2.7 / 11.5 /
+    21.9 ms for 1 / 2 / 8 / 16 rows, the Rust product 1.4 / 1.5 / 3.3 / 6.6."""
+    return SKINNY_F16_KERNEL != "portable" and not _cpu_has_amx()
+
+
 def rust_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes the Rust product takes here: float32 always, bf16 where it pays or is forced."""
-    if bf16_kernel_pays() or mode() == "rust":
-        return (torch.float32, torch.bfloat16)
-    return (torch.float32,)
+    """The weight dtypes the Rust product takes here: float32 always, bf16 and float16 where they pay or
+    it is forced."""
+    forced = mode() == "rust"
+    return (
+        torch.float32,
+        *((torch.bfloat16,) if forced or bf16_kernel_pays() else ()),
+        *((torch.float16,) if forced or f16_kernel_pays() else ()),
+    )
+
+
+def f16_rust_only() -> bool:
+    """Whether `auto` gives every float16 product to Rust, untimed, whatever its rows (in blocks past 64):
+    torch's float16 product costs in proportion to its rows while one row ties with Rust's, so timed
+    choices would mix the two across row counts, and a token verified in a tree would get other bits than
+    decoded alone (as `bf16_rust_only` found for bf16 on AVX2)."""
+    return mode() == "auto" and f16_kernel_pays()
+
+
+def half_rust_only(dtype: torch.dtype) -> bool:
+    """`bf16_rust_only` or `f16_rust_only`, for products of `dtype`."""
+    if dtype == torch.bfloat16:
+        return bf16_rust_only()
+    return dtype == torch.float16 and f16_rust_only()
 
 
 def bf16_rust_only() -> bool:
@@ -339,12 +376,15 @@ def forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ..
         # The Rust product has no backward: training (the drafter's) stays with torch.
         and not training
     )
-    if rust_takes and weight.dtype == torch.bfloat16 and bf16_rust_untimed(rows):
-        return ("rust",)  # (past 64 rows only `bf16_rust_only`: `_rust` takes them in blocks)
+    if rust_takes and (
+        (weight.dtype == torch.bfloat16 and bf16_rust_untimed(rows))
+        or (weight.dtype == torch.float16 and f16_rust_only())
+    ):
+        return ("rust",)  # (past 64 rows only `half_rust_only`: `_rust` takes them in blocks)
     rust_fits = (
         rust_takes and rows <= SKINNY_MATMUL_MAX_ROWS and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
     )
-    if rows > MAX_ROWS:  # (past PACKED_MAX_ROWS only where `bf16_rust_only` let `linear` ask)
+    if rows > MAX_ROWS:  # (past PACKED_MAX_ROWS only where `half_rust_only` let `linear` ask)
         return ("torch", "packed") if packed_fits and rows <= PACKED_MAX_ROWS else ("torch",)
     one_row = ("torch", *(("rust",) if rust_fits else ()), *(("packed",) if packed_fits else ()))
     # (W @ x.T).T is F.linear's own call for one row
@@ -404,7 +444,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     current = mode()
     if rows < 1 or x.device.type != "cpu" or current == "torch":
         return F.linear(x, weight, bias)
-    if rows > PACKED_MAX_ROWS and not (x.dtype == torch.bfloat16 and bf16_rust_only()):
+    if rows > PACKED_MAX_ROWS and not half_rust_only(x.dtype):
         return F.linear(x, weight, bias)
     forms = forms_for(rows, x, weight)
     if forms == ("torch",):  # nothing else applies (more rows than the few-row forms take)

@@ -126,21 +126,21 @@ def slow_half_precision_hint(
     target_dtype: str,
     cpu_has_amx: bool,
     cpu_has_avx512_bf16: bool,
-    rust_bf16_products: bool = False,
+    rust_half_products: bool = False,
 ) -> str | None:
     """What to tell a user serving a bfloat16 or float16 target on a CPU without bf16 matrix instructions
     (None elsewhere): there torch's half-precision linear layer costs in proportion to its rows (AVX2-only
     EPYC, 576 -> 1536: 80 us a row for 1 to 300 rows in float16, 120 in bfloat16; float32 3.8 ms for 300),
     so a tree's verify costs several decode steps and the guard keeps DART on root-only steps, no faster
-    than plain. Not for bf16 where the Rust product takes its linears (`rust_bf16_products`:
-    `skinny_gemm.bf16_kernel_pays`): its AVX2 kernel reads each weight once for all rows (run 119: guarded
-    DART 1.34x plain at batch 1). SGLang's `--dtype auto` also serves a float32 checkpoint in float16 on a
-    CPU."""
+    than plain. Not where the Rust product takes the target's linears (`rust_half_products`:
+    `skinny_gemm.rust_dtypes` has its dtype): its AVX2 kernels read each weight once for all rows (run 119:
+    guarded bf16 DART 1.34x plain at batch 1). SGLang's `--dtype auto` also serves a float32 checkpoint in
+    float16 on a CPU."""
     dtype = target_dtype.removeprefix("torch.")
     if (
         dtype not in ("bfloat16", "float16")
         or fast_dtype(device, cpu_has_amx, cpu_has_avx512_bf16) != "float32"
-        or (dtype == "bfloat16" and rust_bf16_products)
+        or rust_half_products
     ):
         return None
     return (

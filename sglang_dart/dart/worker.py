@@ -51,7 +51,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang.srt.utils.async_probe import sanitize_nan_logits
 
 from sglang_dart.attention.tree_attention import upload
-from sglang_dart.cpu import skinny_gemm, small_step_threads
+from sglang_dart.cpu import small_step_threads
 from sglang_dart.cpu.greedy_walk import greedy_walk, walks_on_host
 from sglang_dart.dart import host_reads
 from sglang_dart.dart.adaptive_sizes import GuardedTreeSizes, StepClock
@@ -155,7 +155,7 @@ class DartWorker(NGRAMWorker):
             str(self.model_runner.dtype),
             cpu_has_amx_bf16(),
             cpu_has_avx512_bf16(),
-            small_step_threads.rust_takes_the_linears(self.model_runner) and skinny_gemm.bf16_kernel_pays(),
+            small_step_threads.rust_takes_the_linears(self.model_runner),
         )
         if hint:
             logger.warning(hint)

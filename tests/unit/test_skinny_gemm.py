@@ -169,7 +169,7 @@ def test_auto_offers_the_bf16_rust_form_only_where_it_pays(monkeypatch, one_torc
     one_row = skinny_gemm.forms_for(1, torch.randn(1, 32).bfloat16(), weight)
     eight_rows = skinny_gemm.forms_for(8, torch.randn(8, 32).bfloat16(), weight)
     assert ("rust" in one_row, "rust" in eight_rows) == (pays, pays)
-    assert skinny_gemm.rust_dtypes() == ((torch.float32, torch.bfloat16) if pays else (torch.float32,))
+    assert (torch.bfloat16 in skinny_gemm.rust_dtypes()) == pays
 
 
 def test_bf16_rust_form_is_offered_only_while_torch_runs_on_one_thread(monkeypatch):
@@ -406,3 +406,52 @@ def test_openmp_spinning_is_turned_off_only_where_rust_may_run(monkeypatch, form
         monkeypatch.delenv(skinny_gemm.SPIN_ENV)
     skinny_gemm.keep_openmp_from_spinning(dtype)
     assert os.environ.get(skinny_gemm.SPIN_ENV) == expected
+
+
+def test_float16_kernel_is_the_f16c_one_where_the_cpu_has_avx2_fma_and_f16c():
+    from sglang_dart._core import SKINNY_F16_KERNEL
+
+    flags = open("/proc/cpuinfo").read().split()
+    expected = "avx2-f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "portable"
+    assert SKINNY_F16_KERNEL == expected
+    assert skinny_gemm.f16_kernel_pays() == (expected != "portable" and not skinny_gemm._cpu_has_amx())
+    assert (torch.float16 in skinny_gemm.rust_dtypes()) == skinny_gemm.f16_kernel_pays()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_where_the_float16_kernel_pays_every_float16_product_is_rust_s(monkeypatch, threads):
+    """torch's float16 product costs in proportion to its rows while one row ties with the Rust one, so a
+    timed choice would split by row count and a token verified in a tree would get other bits than decoded
+    alone: the Rust product is the only form, whatever the rows (in blocks past its limit)."""
+    monkeypatch.setenv(skinny_gemm.ENV, "auto")
+    monkeypatch.setattr(skinny_gemm, "f16_kernel_pays", lambda: True)
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(130, 100, generator=generator) * 0.1).half()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 8, skinny_gemm.SKINNY_MATMUL_MAX_ROWS, 65, 600):
+            assert skinny_gemm.forms_for(rows, torch.randn(rows, 100).half(), weight) == ("rust",)
+        x = torch.randn(600, 100, generator=generator).half()
+        together = skinny_gemm.linear(x, weight)
+        assert together.dtype == torch.float16
+        exact = F.linear(x.float(), weight.float())
+        torch.testing.assert_close(together.float(), exact, rtol=2**-10, atol=1e-3)
+        assert not skinny_gemm._choices  # untimed: no choice recorded
+        for row in (0, 1, 63, 64, 65, 300, 599):
+            assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
+        assert torch.equal(skinny_gemm.linear(x[:9], weight), together[:9])
+        # with a bias, and through the layer SGLang's linears become
+        layer = skinny_gemm.Linear(100, 130).half()
+        torch.testing.assert_close(
+            layer(x[:8]).float(),
+            F.linear(x[:8].float(), layer.weight.float(), layer.bias.float()),
+            rtol=2**-9,
+            atol=2e-3,
+        )
+    finally:
+        torch.set_num_threads(previous)
+    # Where it does not pay (AMX, no F16C), float16 stays with torch's product.
+    monkeypatch.setattr(skinny_gemm, "f16_kernel_pays", lambda: False)
+    assert skinny_gemm.forms_for(8, torch.randn(8, 100).half(), weight) == ("torch", "transposed")
+    assert torch.float16 not in skinny_gemm.rust_dtypes()

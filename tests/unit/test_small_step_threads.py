@@ -79,6 +79,9 @@ def test_bad_setting_names_the_variable(monkeypatch, value):
         # bf16: the Rust product takes them only where its kernel pays (AVX512-BF16, no AMX) or is forced
         (torch.bfloat16, "cpu", "auto", skinny_gemm.bf16_kernel_pays()),
         (torch.bfloat16, "cpu", "rust", True),
+        # float16: where the F16C kernel runs (any AVX2 CPU without AMX) or forced
+        (torch.float16, "cpu", "auto", skinny_gemm.f16_kernel_pays()),
+        (torch.float16, "cpu", "rust", True),
         (torch.float32, "cpu", "torch", False),
         (torch.float32, "cuda", "auto", False),
     ],

@@ -141,7 +141,7 @@ fn columns_block(x: &[f32], w: &[f32], block: &mut [f32], rows: usize, k: usize)
     #[cfg(target_arch = "x86_64")]
     {
         if avx2::available() {
-            // SAFETY: `avx2::columns_block` needs AVX2 and FMA, both just detected on this CPU.
+            // SAFETY: `avx2::columns_block` needs AVX2, FMA and F16C, all just detected on this CPU.
             unsafe { avx2::columns_block(x, w, block, rows, k) };
             return;
         }
@@ -186,20 +186,24 @@ fn reduce_lanes(lanes: &[f32; LANES]) -> f32 {
 pub(crate) mod avx2 {
     use super::{reduce_lanes, LANES, PREFETCH_L2_BYTES};
     use crate::gemm_bf16::{bf16_to_f32, f32_to_bf16};
+    use crate::gemm_f16::{f16_to_f32, f32_to_f16, F16};
     use std::arch::x86_64::{
-        __m128i, __m256, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_fmadd_ps,
-        _mm256_loadu_ps, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps, _mm_loadu_si128,
-        _mm_prefetch, _MM_HINT_T1,
+        __m128i, __m256, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
+        _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps,
+        _mm_loadu_si128, _mm_prefetch, _MM_HINT_T1,
     };
 
-    /// Whether this CPU has what the tiles below need (AVX2 and FMA).
+    /// Whether this CPU has what the tiles below need: AVX2 and FMA, and F16C for float16 weights (every
+    /// CPU with AVX2 has it; asked all the same, since the tiles are compiled with it).
     pub(crate) fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
 
-    /// A weight (and output) element of the tiles: float32, or bf16 as its bits. The inputs are float32
-    /// either way (bf16 inputs are widened once per call, exactly), and so are the sums; a bf16 output is
-    /// the float32 sum rounded once, to nearest even.
+    /// A weight (and output) element of the tiles: float32, bf16 as its bits, or float16 (`F16`). The
+    /// inputs are float32 either way (half-precision inputs are widened once per call, exactly), and so are
+    /// the sums; a half-precision output is the float32 sum rounded once, to nearest even.
     pub(crate) trait Element: Copy {
         /// Up to how many input rows a tile takes one weight row (`columns_block`).
         const ONE_COLUMN_ROWS: usize;
@@ -250,6 +254,28 @@ pub(crate) mod avx2 {
         }
     }
 
+    impl Element for F16 {
+        // Tiles of 3 weight rows from one input row on: each weight vector's widening costs more than its
+        // FMA, and three independent sums per tile keep the FMA unit fed (all of SmolLM2's layer shapes
+        // and its lm_head, AVX512-BF16 EPYC, 1 / 2 / 4 rows: 1.61 / 1.99 / 2.92 ms with one weight row
+        // per tile up to 4 rows, 1.40 / 1.49 / 2.03 with these; 8 rows level).
+        const ONE_COLUMN_ROWS: usize = 0;
+        #[inline(always)]
+        unsafe fn load8(ptr: *const F16) -> __m256 {
+            // SAFETY: the caller guarantees the 16 bytes at `ptr` (unaligned loads are allowed) and the
+            // tiles' features (F16C among them, `available`). Widening float16 to float32 is exact.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(ptr.cast::<__m128i>())) }
+        }
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            f16_to_f32(self.0)
+        }
+        #[inline(always)]
+        fn from_f32(value: f32) -> F16 {
+            F16(f32_to_f16(value))
+        }
+    }
+
     /// Up to this many input rows, a tile is one weight row and up to 8 input rows (8 accumulators): the
     /// product streams the weights once, in order, and is bound by memory.
     const ONE_COLUMN_ROWS: usize = 8;
@@ -262,7 +288,7 @@ pub(crate) mod avx2 {
     const WIDE_COLUMNS: usize = 3;
     const WIDE_ROWS: usize = 4;
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) fn columns_block<W: Element>(
         x: &[f32],
         w: &[W],
@@ -289,7 +315,7 @@ pub(crate) mod avx2 {
 
     /// All input rows against the first C weight rows of `weights`, into `out` ([C, rows]), in tiles of
     /// at most ROWS input rows (8 or 4); returns C.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn column_tiles<W: Element, const C: usize, const ROWS: usize>(
         x: &[f32],
         weights: &[W],
@@ -320,7 +346,7 @@ pub(crate) mod avx2 {
     /// Dot products of the first R rows of `x` (rows of `k`) with the first C rows of `weights`, into
     /// `out[c * stride + r]`; returns R. Each sum runs in the same order whatever R, C and the tile's
     /// place: 8 lanes along `k`, the lanes reduced in a fixed order, then the tail.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn tile_dot<W: Element, const R: usize, const C: usize>(
         x: &[f32],
         weights: &[W],

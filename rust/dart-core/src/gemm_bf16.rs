@@ -118,11 +118,11 @@ fn widened_product(
 ) -> Result<(), GemmError> {
     assert!(
         crate::gemm::avx2::available(),
-        "the widened bf16 product needs AVX2 and FMA"
+        "the widened bf16 product needs AVX2, FMA and F16C"
     );
     let wide: Vec<f32> = x.iter().map(|&bits| bf16_to_f32(bits)).collect();
     blocked_product(x, w, out, rows, k, n, &|weights, block| {
-        // SAFETY: `gemm::avx2::columns_block` needs AVX2 and FMA, asserted above.
+        // SAFETY: `gemm::avx2::columns_block` needs AVX2, FMA and F16C, asserted above.
         unsafe { crate::gemm::avx2::columns_block(&wide, weights, block, rows, k) }
     })
 }

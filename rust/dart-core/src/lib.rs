@@ -6,6 +6,7 @@ pub mod attention;
 pub mod context;
 pub mod gemm;
 pub mod gemm_bf16;
+pub mod gemm_f16;
 pub mod model;
 pub mod prune;
 pub mod rowwise;

@@ -1,7 +1,8 @@
-//! Python bindings of `dart_core::gemm::skinny_matmul` and `gemm_bf16::skinny_matmul_bf16`:
-//! `skinny_matmul(x, w, out)` on float32 numpy arrays, `skinny_matmul_bf16` on bf16 bits (torch tensors
-//! pass through `.numpy()` without a copy). Both run with the GIL released.
-use dart_core::{gemm, gemm_bf16};
+//! Python bindings of `dart_core::gemm::skinny_matmul`, `gemm_bf16::skinny_matmul_bf16` and
+//! `gemm_f16::skinny_matmul_f16`: `skinny_matmul(x, w, out)` on float32 numpy arrays, the other two on
+//! bf16 or float16 bits as uint16 (torch tensors pass through `.numpy()` without a copy). All run with the
+//! GIL released.
+use dart_core::{gemm, gemm_bf16, gemm_f16};
 use numpy::{PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -74,12 +75,32 @@ fn skinny_matmul_bf16(
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// The same product in IEEE float16: x, w and out hold float16 bits as uint16 (a torch float16 tensor
+/// passes as `t.view(torch.int16).numpy().view(numpy.uint16)`); float32 sums, rounded once.
+#[pyfunction]
+fn skinny_matmul_f16(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, u16>,
+    w: PyReadonlyArray2<'_, u16>,
+    mut out: PyReadwriteArray2<'_, u16>,
+) -> PyResult<()> {
+    let (rows, k, n) = product_shape(&x, &w, &out)?;
+    let x = x.as_slice().map_err(not_contiguous)?;
+    let w = w.as_slice().map_err(not_contiguous)?;
+    let out = out.as_slice_mut().map_err(not_contiguous)?;
+    py.detach(|| gemm_f16::skinny_matmul_f16(x, w, out, rows, k, n))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SKINNY_MATMUL_MAX_ROWS", gemm::MAX_ROWS)?;
     // Whether the bf16 product runs its AVX512-BF16 kernel here (else a slow portable path).
     m.add("SKINNY_BF16_NATIVE", gemm_bf16::native_kernel())?;
     // Which kernel that is: `avx512-bf16`, `avx2` (widened to float32) or `portable` (slow).
     m.add("SKINNY_BF16_KERNEL", gemm_bf16::kernel_name())?;
+    // Which kernel the float16 product runs: `avx2-f16c` (widened to float32) or `portable` (slow).
+    m.add("SKINNY_F16_KERNEL", gemm_f16::kernel_name())?;
     m.add_function(wrap_pyfunction!(skinny_matmul, m)?)?;
-    m.add_function(wrap_pyfunction!(skinny_matmul_bf16, m)?)
+    m.add_function(wrap_pyfunction!(skinny_matmul_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(skinny_matmul_f16, m)?)
 }
