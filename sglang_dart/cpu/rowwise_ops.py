@@ -9,8 +9,8 @@ pass, rounding where torch rounds.
 
 `install()` wraps the three classes' `forward_native` (subclasses that keep it get the wrapper, those
 that override it keep theirs); a call takes the Rust path only in the plain case (a CPU tensor in
-float32 or bf16, default options, no autograd), and `forward_native` otherwise. Active on the CPU engine
-only; `SGLANG_DART_CPU_ROWWISE=0` keeps torch's operations.
+float32, bf16 or float16, default options, no autograd), and `forward_native` otherwise. Active on the
+CPU engine only; `SGLANG_DART_CPU_ROWWISE=0` keeps torch's operations.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from sglang_dart import _core
 ENV = "SGLANG_DART_CPU_ROWWISE"
 _MARK = "_sglang_dart_rowwise"
 
-# Rust kernels by element type; bf16 passes as its bits (int16).
+# Rust kernels by element type; bf16 passes as its bits (int16), float16 as its bits (uint16).
 _KERNELS: dict[torch.dtype, dict[str, Callable[..., None]]] = {
     torch.float32: {
         "rms_norm": _core.rms_norm_f32,
@@ -42,6 +42,12 @@ _KERNELS: dict[torch.dtype, dict[str, Callable[..., None]]] = {
         "silu_and_mul": _core.silu_and_mul_bf16,
         "rotary": _core.rotary_bf16,
     },
+    torch.float16: {
+        "rms_norm": _core.rms_norm_f16,
+        "add_rms_norm": _core.add_rms_norm_f16,
+        "silu_and_mul": _core.silu_and_mul_f16,
+        "rotary": _core.rotary_f16,
+    },
 }
 
 
@@ -53,8 +59,13 @@ def enabled() -> bool:
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (no copy): bf16 as its bits in int16 (what the Rust kernels take)."""
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    """A numpy view of a CPU tensor (no copy): bf16 as its bits in int16, float16 as its bits in uint16
+    (what the Rust kernels take; numpy's own float16 would need another Rust type)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    if t.dtype == torch.float16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 # torch splits an elementwise op over its threads from this many elements on (its grain size): a SiLU-and-mul

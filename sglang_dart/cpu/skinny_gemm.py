@@ -25,8 +25,9 @@ Four forms compute the same product:
   bf16 products cost in proportion to their rows, 16-21 ms for one row and 26-37 for 8 against torch's
   17-21 and 116-143 (run 119). `auto` offers it where it has either kernel and the CPU no AMX
   (`bf16_kernel_pays`). float16 weights (SGLang's `--dtype auto` serves a float32 checkpoint in float16)
-  go to `skinny_matmul_f16`, the same AVX2 tiles with each weight widened by F16C: torch's float16
-  products cost in proportion to their rows on every CPU of ours (`f16_rust_only`).
+  go to `skinny_matmul_f16`, which widens each weight vector as it loads it (AVX-512 tiles of 16 lanes, or
+  the float32 product's AVX2 tiles with F16C): torch's float16 products cost in proportion to their rows
+  on every CPU of ours (`f16_rust_only`).
 Which is fastest depends on the CPU, the BLAS, the shape and the row count, so each process decides per
 weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread count: the forms are timed
 and the fastest is kept. `gemm_tuning` times every bucket of a model's weights when it is loaded; a bucket
@@ -192,10 +193,11 @@ def bf16_kernel_pays() -> bool:
 
 @functools.cache
 def f16_kernel_pays() -> bool:
-    """Whether `auto` gives float16 products to Rust: where its AVX2/F16C kernel runs and the CPU has no AMX
-    (AMX CPUs also have AVX512-FP16, which torch's float16 products were not measured against). On the
-    AVX512-BF16 EPYC, all of SmolLM2's layer shapes and its lm_head in float16: torch 1.4 / 2.7 / 11.5 /
-    21.9 ms for 1 / 2 / 8 / 16 rows, the Rust product 1.4 / 1.5 / 3.3 / 6.6."""
+    """Whether `auto` gives float16 products to Rust: where it has a vector kernel (AVX-512, or AVX2 with
+    F16C) and the CPU no AMX (AMX CPUs also have AVX512-FP16, which torch's float16 products were not
+    measured against). On the AVX512-BF16 EPYC, one of each of SmolLM2's layer shapes and its lm_head in
+    float16: torch 1.31 / 2.61 / 10.68 / 21.33 ms for 1 / 2 / 8 / 16 rows, the Rust product's AVX-512
+    kernel 1.22 / 1.39 / 2.43 / 4.69 (its AVX2 tiles 1.40 / 1.49 / 3.34 / 6.56)."""
     return SKINNY_F16_KERNEL != "portable" and not _cpu_has_amx()
 
 

@@ -121,6 +121,19 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
             unset_tuning,
             "qwen3-bf16-plain",
         ),
+        # A float16 target (as `--dtype auto` serves a float32 checkpoint on a CPU), every step a tree of 8.
+        "f16-trees": (
+            tiny_qwen3_dir,
+            [*base, "--dtype", "float16"],
+            {TREE_SIZES_ENV: "1:8", "GOMP_SPINCOUNT": None},
+            "qwen3-f16-trees",
+        ),
+        "f16-plain": (
+            tiny_qwen3_dir,
+            ["--dtype", "float16", *SEED, "--disable-overlap-schedule"],
+            {"GOMP_SPINCOUNT": None},
+            "qwen3-f16-plain",
+        ),
         "root-only": (tiny_qwen3_dir, base, {TREE_SIZES_ENV: "1:1"}, "qwen3-root-only"),
         # Two schedulers, each with a DART worker of its own (SGLang's data-parallel replicas).
         "data-parallel": (tiny_qwen3_dir, [*base, "--dp-size", "2"], {}, "qwen3-dart-dp2"),
@@ -133,6 +146,7 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
 VARIANT_GROUPS = [
     ("no-chains", "reentry"),
     ("bf16-default-sizes", "bf16-plain", "root-only", "data-parallel"),
+    ("f16-trees", "f16-plain"),
 ]
 
 
@@ -476,6 +490,30 @@ def test_bf16_greedy_equals_plain_where_one_product_takes_every_few_row_linear(v
         assert sum(out["meta_info"]["spec_num_proposed_drafts"] for out in speculative) > 0
     finally:
         plain.stop()
+
+
+def test_float16_greedy_equals_plain_on_the_f16c_product(variant_servers):
+    """In float16 every linear goes to the Rust F16C product (`skinny_gemm.f16_rust_only`), which gives a
+    row the same bits whatever the call's other rows: a token verified in a tree of 8 gets the bits it gets
+    decoded alone, and greedy DART equals plain decoding, one request at a time and four together. Torch's
+    float16 product costs in proportion to its rows, so timed choices would split by row count."""
+    from sglang_dart.cpu.skinny_gemm import f16_kernel_pays
+
+    if not f16_kernel_pays():
+        pytest.skip("torch's float16 products here (AMX, or no AVX2/F16C)")
+    plain, dart = variant_servers("f16-plain"), variant_servers("f16-trees")
+    try:
+        prompts = many_prompts(12)
+        reference = run_all(plain, prompts, 1, n=32)
+        for concurrency in (1, 4):
+            speculative = run_all(dart, prompts, concurrency, n=32)
+            for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
+                assert spec["output_ids"] == ref["output_ids"], (concurrency, prompt)
+            assert sum(out["meta_info"]["spec_num_proposed_drafts"] for out in speculative) > 0
+        assert "Rust few-row linears on" in dart.log_text()
+    finally:
+        plain.stop()
+        dart.stop()
 
 
 def test_default_tree_sizes_follow_the_loaded_dtype(variant_servers):

@@ -408,11 +408,16 @@ def test_openmp_spinning_is_turned_off_only_where_rust_may_run(monkeypatch, form
     assert os.environ.get(skinny_gemm.SPIN_ENV) == expected
 
 
-def test_float16_kernel_is_the_f16c_one_where_the_cpu_has_avx2_fma_and_f16c():
+def test_float16_kernel_is_the_widest_the_cpu_has():
     from sglang_dart._core import SKINNY_F16_KERNEL
 
-    flags = open("/proc/cpuinfo").read().split()
-    expected = "avx2-f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "portable"
+    flags = set(open("/proc/cpuinfo").read().split())
+    if "avx512f" in flags:
+        expected = "avx512"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        expected = "avx2-f16c"
+    else:
+        expected = "portable"
     assert SKINNY_F16_KERNEL == expected
     assert skinny_gemm.f16_kernel_pays() == (expected != "portable" and not skinny_gemm._cpu_has_amx())
     assert (torch.float16 in skinny_gemm.rust_dtypes()) == skinny_gemm.f16_kernel_pays()

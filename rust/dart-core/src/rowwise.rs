@@ -1,5 +1,5 @@
 //! The row-wise operations of a decoder layer on a CPU, one pass per row: RMSNorm (with the residual
-//! add fused in), SiLU-and-multiply, and rotary position embedding, in float32 or bfloat16.
+//! add fused in), SiLU-and-multiply, and rotary position embedding, in float32, bfloat16 or float16.
 //!
 //! SGLang's CPU engine computes each as a string of torch operations (RMSNorm with a residual: about
 //! ten), and at the few rows of a decode or tree verify each operation costs its dispatch, not its
@@ -13,7 +13,7 @@ use crate::gemm_bf16::bf16_to_f32;
 #[cfg(test)]
 use crate::gemm_bf16::f32_to_bf16;
 
-/// An element type of these operations: float32, or bfloat16 held as its bits.
+/// An element type of these operations: float32, bfloat16 held as its bits, or float16 (`F16`).
 pub trait Element: Copy + Send + Sync {
     fn to_f32(self) -> f32;
     /// Rounded to this type (nearest even for bf16).
@@ -57,6 +57,19 @@ impl Element for i16 {
     #[inline(always)]
     fn from_f32(value: f32) -> Self {
         u16::from_f32(value) as i16
+    }
+}
+
+/// float16 (SGLang's `--dtype auto` serves a float32 checkpoint in float16 on a CPU), rounded to nearest
+/// even.
+impl Element for crate::gemm_f16::F16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        crate::gemm_f16::f16_to_f32(self.0)
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        Self(crate::gemm_f16::f32_to_f16(value))
     }
 }
 
@@ -365,15 +378,21 @@ mod tests {
 
     #[test]
     fn every_instruction_set_gives_the_same_bits() {
-        let x: Vec<u16> = values(3 * 1536 + 7, 6)
-            .iter()
-            .map(|v| f32_to_bf16(*v))
-            .collect();
-        let w: Vec<u16> = values(1536, 7)
-            .iter()
-            .map(|v| f32_to_bf16(*v / 10.0))
-            .collect();
-        let (mut norm_wide, mut norm_portable) = (vec![0u16; 1536], vec![0u16; 1536]);
+        same_bits_on_every_instruction_set(f32_to_bf16);
+        same_bits_on_every_instruction_set(|v| {
+            crate::gemm_f16::F16(crate::gemm_f16::f32_to_f16(v))
+        });
+    }
+
+    /// The dispatched operations against the portable ones, on values rounded by `round`.
+    fn same_bits_on_every_instruction_set<T>(round: impl Fn(f32) -> T)
+    where
+        T: Element + Default + PartialEq + std::fmt::Debug,
+    {
+        let x: Vec<T> = values(3 * 1536 + 7, 6).iter().map(|v| round(*v)).collect();
+        let w: Vec<T> = values(1536, 7).iter().map(|v| round(*v / 10.0)).collect();
+        let (mut norm_wide, mut norm_portable) =
+            (vec![T::default(); 1536], vec![T::default(); 1536]);
         for cast in [false, true] {
             rms_norm_row(&x[..1536], &w, &mut norm_wide, 1e-5, cast);
             portable::rms_norm_row(&x[..1536], &w, &mut norm_portable, 1e-5, cast);
@@ -384,7 +403,8 @@ mod tests {
         add_rms_norm_row(&mut a, &mut b, &w, 1e-5);
         portable::add_rms_norm_row(&mut c, &mut d, &w, 1e-5);
         assert_eq!((a, b), (c, d));
-        let (mut silu_wide, mut silu_portable) = (vec![0u16; 1536], vec![0u16; 1536]);
+        let (mut silu_wide, mut silu_portable) =
+            (vec![T::default(); 1536], vec![T::default(); 1536]);
         silu_and_mul_row(&x[..3072], &mut silu_wide);
         portable::silu_and_mul_row(&x[..3072], &mut silu_portable);
         assert_eq!(silu_wide, silu_portable);

@@ -98,7 +98,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SKINNY_BF16_NATIVE", gemm_bf16::native_kernel())?;
     // Which kernel that is: `avx512-bf16`, `avx2` (widened to float32) or `portable` (slow).
     m.add("SKINNY_BF16_KERNEL", gemm_bf16::kernel_name())?;
-    // Which kernel the float16 product runs: `avx2-f16c` (widened to float32) or `portable` (slow).
+    // Which kernel the float16 product runs: `avx512`, `avx2-f16c` (both widen to float32) or `portable`.
     m.add("SKINNY_F16_KERNEL", gemm_f16::kernel_name())?;
     m.add_function(wrap_pyfunction!(skinny_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(skinny_matmul_bf16, m)?)?;

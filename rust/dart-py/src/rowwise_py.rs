@@ -1,13 +1,53 @@
 //! Python bindings of `dart_core::rowwise`, one function per operation and element type
-//! (`rms_norm_f32`, `rms_norm_bf16`, ...). bf16 arrays hold the bits as int16: a torch bf16 tensor passes
-//! as `t.view(torch.int16).numpy()`, without a copy. Rows may be strided (the query slice of a fused qkv
+//! (`rms_norm_f32`, `rms_norm_bf16`, `rms_norm_f16`, ...). bf16 arrays hold the bits as int16: a torch bf16
+//! tensor passes as `t.view(torch.int16).numpy()`, without a copy; float16 ones as uint16
+//! (`t.view(torch.int16).numpy().view(numpy.uint16)`). Rows may be strided (the query slice of a fused qkv
 //! projection) but each row must be contiguous. `add_rms_norm_*` and `rotary_*` write in place, as
 //! SGLang's fused kernels do. The work is microseconds, so the GIL is kept: releasing and taking it
 //! back would cost more.
+use dart_core::gemm_f16::{as_f16, as_f16_mut, F16};
 use dart_core::rowwise::{self, Element};
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+
+/// A numpy element type and the type the operations compute on, which has its bits: float32 and bf16
+/// (int16) themselves, float16 (uint16) as `F16`.
+trait Bits: numpy::Element + Sized {
+    type Compute: Element;
+    fn compute(values: &[Self]) -> &[Self::Compute];
+    fn compute_mut(values: &mut [Self]) -> &mut [Self::Compute];
+}
+
+impl Bits for f32 {
+    type Compute = f32;
+    fn compute(values: &[f32]) -> &[f32] {
+        values
+    }
+    fn compute_mut(values: &mut [f32]) -> &mut [f32] {
+        values
+    }
+}
+
+impl Bits for i16 {
+    type Compute = i16;
+    fn compute(values: &[i16]) -> &[i16] {
+        values
+    }
+    fn compute_mut(values: &mut [i16]) -> &mut [i16] {
+        values
+    }
+}
+
+impl Bits for u16 {
+    type Compute = F16;
+    fn compute(values: &[u16]) -> &[F16] {
+        as_f16(values)
+    }
+    fn compute_mut(values: &mut [u16]) -> &mut [F16] {
+        as_f16_mut(values)
+    }
+}
 
 fn error(op: &str, message: String) -> PyErr {
     PyValueError::new_err(format!("{op}: {message}"))
@@ -55,7 +95,7 @@ where
         .ok_or_else(|| error(op, format!("the weight must be contiguous, of {width}")))
 }
 
-fn rms_norm<T: Element + numpy::Element>(
+fn rms_norm<T: Bits>(
     x: PyReadonlyArray2<'_, T>,
     weight: PyReadonlyArray1<'_, T>,
     out: Out<'_, T>,
@@ -75,12 +115,18 @@ fn rms_norm<T: Element + numpy::Element>(
     for (x, mut out) in x.outer_iter().zip(out.outer_iter_mut()) {
         let x = contiguous(OP, "x", x.to_slice())?;
         let out = contiguous_mut(OP, "out", out.as_slice_mut())?;
-        rowwise::rms_norm_row(x, weight, out, eps, cast_before_weight);
+        rowwise::rms_norm_row(
+            T::compute(x),
+            T::compute(weight),
+            T::compute_mut(out),
+            eps,
+            cast_before_weight,
+        );
     }
     Ok(())
 }
 
-fn add_rms_norm<T: Element + numpy::Element>(
+fn add_rms_norm<T: Bits>(
     x: Out<'_, T>,
     residual: Out<'_, T>,
     weight: PyReadonlyArray1<'_, T>,
@@ -99,19 +145,16 @@ fn add_rms_norm<T: Element + numpy::Element>(
     let weight = weight_of(OP, &weight, x.shape()[1])?;
     for (mut x, mut residual) in x.outer_iter_mut().zip(residual.outer_iter_mut()) {
         rowwise::add_rms_norm_row(
-            contiguous_mut(OP, "x", x.as_slice_mut())?,
-            contiguous_mut(OP, "residual", residual.as_slice_mut())?,
-            weight,
+            T::compute_mut(contiguous_mut(OP, "x", x.as_slice_mut())?),
+            T::compute_mut(contiguous_mut(OP, "residual", residual.as_slice_mut())?),
+            T::compute(weight),
             eps,
         );
     }
     Ok(())
 }
 
-fn silu_and_mul<T: Element + numpy::Element>(
-    x: PyReadonlyArray2<'_, T>,
-    out: Out<'_, T>,
-) -> PyResult<()> {
+fn silu_and_mul<T: Bits>(x: PyReadonlyArray2<'_, T>, out: Out<'_, T>) -> PyResult<()> {
     const OP: &str = "silu_and_mul";
     let mut out = writable(OP, "out", &out)?;
     let (x, mut out) = (x.as_array(), out.as_array_mut());
@@ -125,12 +168,13 @@ fn silu_and_mul<T: Element + numpy::Element>(
     }
     for (x, mut out) in x.outer_iter().zip(out.outer_iter_mut()) {
         let x = contiguous(OP, "x", x.to_slice())?;
-        rowwise::silu_and_mul_row(x, contiguous_mut(OP, "out", out.as_slice_mut())?);
+        let out = contiguous_mut(OP, "out", out.as_slice_mut())?;
+        rowwise::silu_and_mul_row(T::compute(x), T::compute_mut(out));
     }
     Ok(())
 }
 
-fn rotary<T: Element + numpy::Element>(
+fn rotary<T: Bits>(
     positions: PyReadonlyArray1<'_, i64>,
     cos_sin: PyReadonlyArray2<'_, T>,
     query: Out<'_, T>,
@@ -184,9 +228,9 @@ fn rotary<T: Element + numpy::Element>(
             let angles = cos_sin.row(row);
             let (cos, sin) = contiguous(OP, "cos_sin", angles.to_slice())?.split_at(rotary_dim / 2);
             rowwise::rotary_row(
-                contiguous_mut(OP, name, x.as_slice_mut())?,
-                cos,
-                sin,
+                T::compute_mut(contiguous_mut(OP, name, x.as_slice_mut())?),
+                T::compute(cos),
+                T::compute(sin),
                 head_size,
                 neox,
             );
@@ -195,10 +239,10 @@ fn rotary<T: Element + numpy::Element>(
     Ok(())
 }
 
-/// One Python function per element type: float32, and bf16 as int16 bits. Arguments in brackets come
-/// first and are the same for both (the rotary's int64 positions).
+/// One Python function per element type: float32, bf16 as int16 bits and float16 as uint16 bits.
+/// Arguments in brackets come first and are the same for all (the rotary's int64 positions).
 macro_rules! typed {
-    ($f32_name:ident, $bf16_name:ident, $generic:ident, [$($pre:ident: $pre_ty:ty),*]
+    ($f32_name:ident, $bf16_name:ident, $f16_name:ident, $generic:ident, [$($pre:ident: $pre_ty:ty),*]
      ($($arg:ident: $ty:ident),*) $(, $extra:ident: $extra_ty:ty)*) => {
         #[pyfunction]
         fn $f32_name($($pre: $pre_ty,)* $($arg: $ty<'_, f32>,)* $($extra: $extra_ty),*) -> PyResult<()> {
@@ -208,15 +252,19 @@ macro_rules! typed {
         fn $bf16_name($($pre: $pre_ty,)* $($arg: $ty<'_, i16>,)* $($extra: $extra_ty),*) -> PyResult<()> {
             $generic($($pre,)* $($arg,)* $($extra),*)
         }
+        #[pyfunction]
+        fn $f16_name($($pre: $pre_ty,)* $($arg: $ty<'_, u16>,)* $($extra: $extra_ty),*) -> PyResult<()> {
+            $generic($($pre,)* $($arg,)* $($extra),*)
+        }
     };
 }
 
-typed!(rms_norm_f32, rms_norm_bf16, rms_norm, []
+typed!(rms_norm_f32, rms_norm_bf16, rms_norm_f16, rms_norm, []
        (x: PyReadonlyArray2, weight: PyReadonlyArray1, out: Out), eps: f32, cast_before_weight: bool);
-typed!(add_rms_norm_f32, add_rms_norm_bf16, add_rms_norm, []
+typed!(add_rms_norm_f32, add_rms_norm_bf16, add_rms_norm_f16, add_rms_norm, []
        (x: Out, residual: Out, weight: PyReadonlyArray1), eps: f32);
-typed!(silu_and_mul_f32, silu_and_mul_bf16, silu_and_mul, [] (x: PyReadonlyArray2, out: Out));
-typed!(rotary_f32, rotary_bf16, rotary, [positions: PyReadonlyArray1<'_, i64>]
+typed!(silu_and_mul_f32, silu_and_mul_bf16, silu_and_mul_f16, silu_and_mul, [] (x: PyReadonlyArray2, out: Out));
+typed!(rotary_f32, rotary_bf16, rotary_f16, rotary, [positions: PyReadonlyArray1<'_, i64>]
        (cos_sin: PyReadonlyArray2, query: Out, key: Out), head_size: usize, neox: bool);
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -227,5 +275,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(silu_and_mul_f32, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_f32, m)?)?;
-    m.add_function(wrap_pyfunction!(rotary_bf16, m)?)
+    m.add_function(wrap_pyfunction!(rotary_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm_f16, m)?)?;
+    m.add_function(wrap_pyfunction!(add_rms_norm_f16, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_and_mul_f16, m)?)?;
+    m.add_function(wrap_pyfunction!(rotary_f16, m)?)
 }
