@@ -13,8 +13,7 @@ are already in the pool, in float32, bf16 or float16, without a logit cap; prefi
 else stay with torch. An fp8 KV pool (`--kv-cache-dtype fp8_e5m2/fp8_e4m3`) is read through a copy of
 the rows the plan names, widened to the queries' dtype (exactly: every fp8 value is a bf16 value):
 torch's SDPA would give a token another result decoded alone than verified in a tree or batched with
-others. A float16 target (no kernel of its own) is computed in float32 from its widened queries and rows,
-rounded back once.
+others. Half precision is read as it lies and computed in float32 inside, the output rounded once.
 Active on the CPU engine once `install()` ran (the plugin does);
 `SGLANG_DART_CPU_ATTENTION=torch` keeps torch's SDPA.
 """
@@ -41,12 +40,17 @@ CHOICES = ("rust", "torch")
 # 216, of 32 274 against 336 (benchmarks/attention_layer.py; throughput.md, run 116).
 MAX_QUERIES = 32
 
-_KERNELS = {torch.float32: _core.attend_f32, torch.bfloat16: _core.attend_bf16}
+_KERNELS = {
+    torch.float32: _core.attend_f32,
+    torch.bfloat16: _core.attend_bf16,
+    torch.float16: _core.attend_f16,
+}
 # KV pool dtypes read through a widened copy of the rows a plan names (`_widened_rows`).
 _FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
 # Query dtypes the kernels do not take, computed in the one that holds them exactly (the pool's rows are
-# widened likewise) and rounded back once at the end.
-_WIDER = {torch.float16: torch.float32}
+# widened likewise) and rounded back once at the end: none since the float16 kernel (before it, float16
+# went through float32 copies of every row a plan names, each layer and step).
+_WIDER: dict[torch.dtype, torch.dtype] = {}
 _active = False
 
 

@@ -1,8 +1,8 @@
-//! Python binding of `dart_core::attention::attend`: `attend_f32` and `attend_bf16` (bf16 as int16 bits,
-//! `t.view(torch.int16).numpy()`, no copy). Every array must be C-contiguous; shapes are read from them.
+//! Python binding of `dart_core::attention::attend`: `attend_f32`, `attend_bf16` and `attend_f16` (half
+//! precision as its bits, `bits::Bits`). Every array must be C-contiguous; shapes are read from them.
 //! Runs with the GIL released.
+use crate::bits::Bits;
 use dart_core::attention::{self, Inputs, Shape};
-use dart_core::rowwise::Element;
 use numpy::{PyArray3, PyArrayMethods, PyReadonlyArray2, PyReadonlyArray3, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -32,7 +32,7 @@ type Plan<'py> = (
     f32,
 );
 
-fn attend<T: Element + numpy::Element>(
+fn attend<T: Bits>(
     py: Python<'_>,
     q: PyReadonlyArray3<'_, T>,
     k_cache: PyReadonlyArray3<'_, T>,
@@ -81,9 +81,9 @@ fn attend<T: Element + numpy::Element>(
         }
     }
     let inputs = Inputs {
-        q: flat("q", &q)?,
-        k_cache: flat("k_cache", &k_cache)?,
-        v_cache: flat("v_cache", &v_cache)?,
+        q: T::compute(flat("q", &q)?),
+        k_cache: T::compute(flat("k_cache", &k_cache)?),
+        v_cache: T::compute(flat("v_cache", &v_cache)?),
         key_loc: flat("key_loc", &key_loc)?,
         mask: flat("mask", &mask)?,
         query_row: flat("query_row", &query_row)?,
@@ -93,14 +93,16 @@ fn attend<T: Element + numpy::Element>(
     if !out.is_c_contiguous() {
         return Err(error("out is not C-contiguous".into()));
     }
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| error("out is not contiguous".into()))?;
+    let out = T::compute_mut(
+        out.as_slice_mut()
+            .map_err(|_| error("out is not contiguous".into()))?,
+    );
     py.detach(|| attention::attend(&shape, &inputs, out))
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// One Python function per element type: `attend_f32`, and `attend_bf16` on bf16 bits (int16).
+/// One Python function per element type: `attend_f32`, `attend_bf16` on bf16 bits (int16) and
+/// `attend_f16` on float16 bits (uint16).
 macro_rules! typed {
     ($(#[$doc:meta])* $name:ident, $t:ty) => {
         $(#[$doc])*
@@ -136,7 +138,14 @@ typed!(
     i16
 );
 
+typed!(
+    /// `attend_f32` in float16, the values as uint16 bits; float32 inside, the output rounded once.
+    attend_f16,
+    u16
+);
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attend_f32, m)?)?;
-    m.add_function(wrap_pyfunction!(attend_bf16, m)?)
+    m.add_function(wrap_pyfunction!(attend_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(attend_f16, m)?)
 }

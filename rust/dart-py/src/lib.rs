@@ -2,6 +2,7 @@
 use pyo3::prelude::*;
 
 mod attention_py;
+mod bits;
 mod context_py;
 mod gemm_py;
 mod prune_py;

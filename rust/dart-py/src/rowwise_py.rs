@@ -5,49 +5,11 @@
 //! projection) but each row must be contiguous. `add_rms_norm_*` and `rotary_*` write in place, as
 //! SGLang's fused kernels do. The work is microseconds, so the GIL is kept: releasing and taking it
 //! back would cost more.
-use dart_core::gemm_f16::{as_f16, as_f16_mut, F16};
-use dart_core::rowwise::{self, Element};
+use crate::bits::Bits;
+use dart_core::rowwise;
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-
-/// A numpy element type and the type the operations compute on, which has its bits: float32 and bf16
-/// (int16) themselves, float16 (uint16) as `F16`.
-trait Bits: numpy::Element + Sized {
-    type Compute: Element;
-    fn compute(values: &[Self]) -> &[Self::Compute];
-    fn compute_mut(values: &mut [Self]) -> &mut [Self::Compute];
-}
-
-impl Bits for f32 {
-    type Compute = f32;
-    fn compute(values: &[f32]) -> &[f32] {
-        values
-    }
-    fn compute_mut(values: &mut [f32]) -> &mut [f32] {
-        values
-    }
-}
-
-impl Bits for i16 {
-    type Compute = i16;
-    fn compute(values: &[i16]) -> &[i16] {
-        values
-    }
-    fn compute_mut(values: &mut [i16]) -> &mut [i16] {
-        values
-    }
-}
-
-impl Bits for u16 {
-    type Compute = F16;
-    fn compute(values: &[u16]) -> &[F16] {
-        as_f16(values)
-    }
-    fn compute_mut(values: &mut [u16]) -> &mut [F16] {
-        as_f16_mut(values)
-    }
-}
 
 fn error(op: &str, message: String) -> PyErr {
     PyValueError::new_err(format!("{op}: {message}"))
