@@ -151,8 +151,8 @@ def _size_rust_team() -> None:
     size_rust_team(torch.get_num_threads())  # as many threads as torch's pool here
 
 
-def _bf16_bits(t: torch.Tensor) -> np.ndarray:
-    # numpy has no bfloat16: the same bytes as uint16, no copy (float16 passes as bits too).
+def _half_bits(t: torch.Tensor) -> np.ndarray:
+    # numpy has no bfloat16 (and the Rust float16 product takes bits too): the bytes as uint16, no copy.
     return t.view(torch.int16).numpy().view(np.uint16)
 
 
@@ -165,12 +165,12 @@ def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(x.shape[0], weight.shape[0])
     half_product = _HALF_PRODUCTS.get(x.dtype)
     if half_product is not None:
-        x, weight_bits = x.contiguous(), _bf16_bits(weight.detach())
+        x, weight_bits = x.contiguous(), _half_bits(weight.detach())
         # Past the product's row limit (prefill, `half_rust_only`) in blocks of rows: a row's bits do not
         # depend on the others.
         for first in range(0, x.shape[0], SKINNY_MATMUL_MAX_ROWS):
             block = slice(first, first + SKINNY_MATMUL_MAX_ROWS)
-            half_product(_bf16_bits(x[block]), weight_bits, _bf16_bits(out[block]))
+            half_product(_half_bits(x[block]), weight_bits, _half_bits(out[block]))
     else:
         skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
     return out

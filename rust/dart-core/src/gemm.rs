@@ -412,6 +412,29 @@ pub(crate) mod tests {
         out
     }
 
+    /// `values` rounded to a half-precision format by `round` (its bits).
+    pub(crate) fn half_values(len: usize, seed: u32, round: fn(f32) -> u16) -> Vec<u16> {
+        values(len, seed).into_iter().map(round).collect()
+    }
+
+    /// `x @ w.T` in float64 of half-precision bits widened by `widen`: what the half products approximate.
+    pub(crate) fn half_reference(
+        x: &[u16],
+        w: &[u16],
+        (rows, k, n): (usize, usize, usize),
+        widen: fn(u16) -> f32,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0f64; rows * n];
+        for m in 0..rows {
+            for j in 0..n {
+                out[m * n + j] = (0..k)
+                    .map(|i| widen(x[m * k + i]) as f64 * widen(w[j * k + i]) as f64)
+                    .sum();
+            }
+        }
+        out
+    }
+
     /// Small deterministic pseudo-random values in [-1, 1) (the other kernels' tests take them too).
     pub(crate) fn values(len: usize, seed: u32) -> Vec<f32> {
         let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);

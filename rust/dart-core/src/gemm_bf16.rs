@@ -333,22 +333,11 @@ mod tests {
 
     /// `gemm`'s test values in [-1, 1), as bf16 bits.
     fn values(len: usize, seed: u32) -> Vec<u16> {
-        crate::gemm::tests::values(len, seed)
-            .into_iter()
-            .map(f32_to_bf16)
-            .collect()
+        crate::gemm::tests::half_values(len, seed, f32_to_bf16)
     }
 
     fn reference(x: &[u16], w: &[u16], rows: usize, k: usize, n: usize) -> Vec<f64> {
-        let mut out = vec![0.0f64; rows * n];
-        for m in 0..rows {
-            for j in 0..n {
-                out[m * n + j] = (0..k)
-                    .map(|i| bf16_to_f32(x[m * k + i]) as f64 * bf16_to_f32(w[j * k + i]) as f64)
-                    .sum();
-            }
-        }
-        out
+        crate::gemm::tests::half_reference(x, w, (rows, k, n), bf16_to_f32)
     }
 
     #[test]

@@ -58,6 +58,25 @@ fn skinny_matmul(
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// A half-precision product (`x, w, out, rows, k, n` on bits) as the bindings below call it.
+type HalfProduct =
+    fn(&[u16], &[u16], &mut [u16], usize, usize, usize) -> Result<(), gemm::GemmError>;
+
+fn half_product(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, u16>,
+    w: PyReadonlyArray2<'_, u16>,
+    mut out: PyReadwriteArray2<'_, u16>,
+    product: HalfProduct,
+) -> PyResult<()> {
+    let (rows, k, n) = product_shape(&x, &w, &out)?;
+    let x = x.as_slice().map_err(not_contiguous)?;
+    let w = w.as_slice().map_err(not_contiguous)?;
+    let out = out.as_slice_mut().map_err(not_contiguous)?;
+    py.detach(|| product(x, w, out, rows, k, n))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 /// The same product in bfloat16: x, w and out hold bf16 bits as uint16 (a torch bf16 tensor passes as
 /// `t.view(torch.int16).numpy().view(numpy.uint16)`, without a copy); float32 sums, rounded once.
 #[pyfunction]
@@ -65,14 +84,9 @@ fn skinny_matmul_bf16(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, u16>,
     w: PyReadonlyArray2<'_, u16>,
-    mut out: PyReadwriteArray2<'_, u16>,
+    out: PyReadwriteArray2<'_, u16>,
 ) -> PyResult<()> {
-    let (rows, k, n) = product_shape(&x, &w, &out)?;
-    let x = x.as_slice().map_err(not_contiguous)?;
-    let w = w.as_slice().map_err(not_contiguous)?;
-    let out = out.as_slice_mut().map_err(not_contiguous)?;
-    py.detach(|| gemm_bf16::skinny_matmul_bf16(x, w, out, rows, k, n))
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    half_product(py, x, w, out, gemm_bf16::skinny_matmul_bf16)
 }
 
 /// The same product in IEEE float16: x, w and out hold float16 bits as uint16 (a torch float16 tensor
@@ -82,14 +96,9 @@ fn skinny_matmul_f16(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, u16>,
     w: PyReadonlyArray2<'_, u16>,
-    mut out: PyReadwriteArray2<'_, u16>,
+    out: PyReadwriteArray2<'_, u16>,
 ) -> PyResult<()> {
-    let (rows, k, n) = product_shape(&x, &w, &out)?;
-    let x = x.as_slice().map_err(not_contiguous)?;
-    let w = w.as_slice().map_err(not_contiguous)?;
-    let out = out.as_slice_mut().map_err(not_contiguous)?;
-    py.detach(|| gemm_f16::skinny_matmul_f16(x, w, out, rows, k, n))
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    half_product(py, x, w, out, gemm_f16::skinny_matmul_f16)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
