@@ -216,6 +216,21 @@ def test_bf16_kernel_is_offered_by_auto_where_the_cpu_has_a_vector_kernel_and_no
         assert not has_amx
 
 
+def _assert_untimed_blocks_keep_rows_apart(
+    x: torch.Tensor, weight: torch.Tensor, rtol: float, atol: float
+) -> None:
+    """`linear` of 600 rows (past the Rust product's 64, so in blocks): x's dtype, close to the float32
+    product, no timed choice recorded, and each row (across the blocks' edges too) the bits it gets alone."""
+    together = skinny_gemm.linear(x, weight)
+    assert together.dtype == x.dtype
+    exact = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(together.float(), exact, rtol=rtol, atol=atol)
+    assert not skinny_gemm._choices  # untimed: no choice recorded
+    for row in (0, 1, 63, 64, 65, 300, 599):
+        assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
+    assert torch.equal(skinny_gemm.linear(x[:9], weight), together[:9])
+
+
 def _auto_with_bf16_kernel(monkeypatch, kernel: str) -> torch.Tensor:
     """`auto`, with the Rust bf16 kernel `kernel` taken as paying; a bf16 weight to multiply."""
     monkeypatch.setenv(skinny_gemm.ENV, "auto")
@@ -238,14 +253,7 @@ def test_where_the_bf16_kernel_is_avx2_every_few_row_bf16_product_is_rust_s(monk
         # float32 keeps its timed choice
         assert len(skinny_gemm.forms_for(8, torch.randn(8, 32), weight.float())) > 1
         # 600 rows: past the product's 64-row limit and past the few-row forms' reach, in blocks of 64
-        x = torch.randn(600, 32).bfloat16()
-        together = skinny_gemm.linear(x, weight)
-        exact = F.linear(x.float(), weight.float())
-        torch.testing.assert_close(together.float(), exact, rtol=2**-7, atol=1e-2)
-        assert not skinny_gemm._choices  # untimed: no choice recorded
-        for row in (0, 1, 63, 64, 65, 300, 599):
-            assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
-        assert torch.equal(skinny_gemm.linear(x[:9], weight), together[:9])
+        _assert_untimed_blocks_keep_rows_apart(torch.randn(600, 32).bfloat16(), weight, rtol=2**-7, atol=1e-2)
     finally:
         torch.set_num_threads(previous)
     # Another kernel, or a form set by hand, leaves the choice to timing / the setting.
@@ -438,14 +446,7 @@ def test_where_the_float16_kernel_pays_every_float16_product_is_rust_s(monkeypat
         for rows in (1, 2, 8, skinny_gemm.SKINNY_MATMUL_MAX_ROWS, 65, 600):
             assert skinny_gemm.forms_for(rows, torch.randn(rows, 100).half(), weight) == ("rust",)
         x = torch.randn(600, 100, generator=generator).half()
-        together = skinny_gemm.linear(x, weight)
-        assert together.dtype == torch.float16
-        exact = F.linear(x.float(), weight.float())
-        torch.testing.assert_close(together.float(), exact, rtol=2**-10, atol=1e-3)
-        assert not skinny_gemm._choices  # untimed: no choice recorded
-        for row in (0, 1, 63, 64, 65, 300, 599):
-            assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
-        assert torch.equal(skinny_gemm.linear(x[:9], weight), together[:9])
+        _assert_untimed_blocks_keep_rows_apart(x, weight, rtol=2**-10, atol=1e-3)
         # with a bias, and through the layer SGLang's linears become
         layer = skinny_gemm.Linear(100, 130).half()
         torch.testing.assert_close(

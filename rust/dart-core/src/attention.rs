@@ -16,6 +16,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use crate::gemm::fold_lanes;
 use crate::rowwise::{portable::exp_f32, Element};
 use crate::team;
 
@@ -626,19 +627,6 @@ fn softmax_numerators(row: &mut [f32], mask: &[bool]) {
         let numerator = exp_f32(*w - max);
         *w = if seen { numerator } else { 0.0 };
     }
-}
-
-/// The lanes added pairwise in a fixed tree (lane l with l + 8, then l + 4, ...).
-#[inline(always)]
-fn fold_lanes(mut lanes: [f32; DOT_LANES]) -> f32 {
-    let mut width = DOT_LANES / 2;
-    while width > 0 {
-        for l in 0..width {
-            lanes[l] += lanes[l + width];
-        }
-        width /= 2;
-    }
-    lanes[0]
 }
 
 /// `sums = sum_j weights[j] * values[j]` over the keys in order, `VALUE_BLOCK` columns at a time in

@@ -165,26 +165,30 @@ fn portable_dot(x: &[f32], weights: &[f32]) -> f32 {
             lanes[lane] += xs[lane] * ws[lane];
         }
     }
-    let mut sum = reduce_lanes(&lanes);
+    let mut sum = fold_lanes(lanes);
     for i in body..x.len() {
         sum += x[i] * weights[i];
     }
     sum
 }
 
-fn reduce_lanes(lanes: &[f32; LANES]) -> f32 {
-    let half = [
-        lanes[0] + lanes[4],
-        lanes[1] + lanes[5],
-        lanes[2] + lanes[6],
-        lanes[3] + lanes[7],
-    ];
-    (half[0] + half[2]) + (half[1] + half[3])
+/// The lanes added pairwise in a fixed tree (lane l with l + N/2, then l + N/4, ...; N a power of two):
+/// every kernel that sums vector lanes ends with it, so a sum's order never depends on the tile.
+#[inline(always)]
+pub(crate) fn fold_lanes<const N: usize>(mut lanes: [f32; N]) -> f32 {
+    let mut width = N / 2;
+    while width > 0 {
+        for l in 0..width {
+            lanes[l] += lanes[l + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::{reduce_lanes, LANES, PREFETCH_L2_BYTES};
+    use super::{fold_lanes, LANES, PREFETCH_L2_BYTES};
     use crate::gemm_bf16::{bf16_to_f32, f32_to_bf16};
     use crate::gemm_f16::{f16_to_f32, f32_to_f16, F16};
     use std::arch::x86_64::{
@@ -385,7 +389,7 @@ pub(crate) mod avx2 {
                 let mut lanes = [0.0f32; LANES];
                 // SAFETY: `lanes` holds exactly the 8 floats the store writes.
                 unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_r) };
-                let mut sum = reduce_lanes(&lanes);
+                let mut sum = fold_lanes(lanes);
                 for i in body..k {
                     sum = column[i].to_f32().mul_add(x[r * k + i], sum);
                 }

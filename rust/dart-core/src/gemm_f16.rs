@@ -168,7 +168,7 @@ fn portable_block(x: &[f32], w: &[F16], block: &mut [F16], rows: usize, k: usize
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{f16_to_f32, f32_to_f16, F16};
-    use crate::gemm::PREFETCH_L2_BYTES;
+    use crate::gemm::{fold_lanes, PREFETCH_L2_BYTES};
     use std::arch::x86_64::{
         __m256i, __m512, _mm256_loadu_si256, _mm512_cvtph_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
         _mm512_setzero_ps, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_T1,
@@ -235,22 +235,6 @@ mod avx512 {
         _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(ptr.cast::<__m256i>()) })
     }
 
-    /// The 16 lanes' sum in a fixed order (halves added pairwise), the same for every tile.
-    #[inline(always)]
-    fn reduce(lanes: &[f32; LANES]) -> f32 {
-        let mut half = [0.0f32; 8];
-        for (i, h) in half.iter_mut().enumerate() {
-            *h = lanes[i] + lanes[i + 8];
-        }
-        let quarter = [
-            half[0] + half[4],
-            half[1] + half[5],
-            half[2] + half[6],
-            half[3] + half[7],
-        ];
-        (quarter[0] + quarter[2]) + (quarter[1] + quarter[3])
-    }
-
     /// Dot products of the first R rows of `x` (rows of `k`) with the first C rows of `weights`, into
     /// `out[c * stride + r]`; returns R. Each sum runs in the same order whatever R, C and the tile's
     /// place: 16 lanes along `k`, the lanes reduced in a fixed order, then the tail.
@@ -292,7 +276,7 @@ mod avx512 {
                 let mut lanes = [0.0f32; LANES];
                 // SAFETY: `lanes` holds exactly the 16 floats the store writes.
                 unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc_r) };
-                let mut sum = reduce(&lanes);
+                let mut sum = fold_lanes(lanes);
                 for i in body..k {
                     sum = f16_to_f32(column[i].0).mul_add(x[r * k + i], sum);
                 }
