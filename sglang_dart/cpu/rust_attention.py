@@ -1,19 +1,25 @@
-"""Decode and tree-verify attention on a CPU in one Rust call a layer (`_core.attend_f32`/`attend_bf16`,
-rust/dart-core/src/attention.rs).
+"""Attention on a CPU in one Rust call a layer (`_core.attend_f32`/`attend_bf16`/`attend_f16`,
+rust/dart-core/src/attention.rs): decode, tree verify and prefill.
 
 `tree_attention.attend` gathers every key and value row into new tensors and calls torch's SDPA, whose
 CPU kernel in bf16 costs about 20 us per (request, query head) task: at one request a bf16 SmolLM2
 layer's attention took 0.1-0.3 ms for microseconds of arithmetic. The Rust kernel reads the KV pool where
 it lies, in tasks of (request, KV head, query rows) shared among the GEMM team's threads. It computes a
-query's result from its own row alone, so a token attends bit-identically decoded alone or verified in a
-tree.
+query's result from its own row alone, so a token attends bit-identically decoded alone, verified in a
+tree or prefilled with its prompt. That last one matters beyond speculation: with the radix cache a
+prompt's K/V may come from an earlier request's prefill or from its decode steps, and SDPA's bits depend
+on the query count, so a server's greedy answer to a prompt could depend on what it served before (a
+float16 SmolLM2 request parted from plain, and plain from its own repeats, that way: throughput.md,
+run 124). A prefill chunk's tasks stop at their last row's keys (a causal prefill skips the later half):
+one SmolLM2 layer, 2,048-token prompt, the 2-core EPYC, bf16: 34 ms against SDPA's 61; 128 new tokens over
+1,000 cached about level (throughput.md, run 125).
 
-It takes the forwards of few queries a request (decode, tree verify: up to `MAX_QUERIES`) whose new keys
-are already in the pool, in float32, bf16 or float16, without a logit cap; prefill chunks and everything
-else stay with torch. An fp8 KV pool (`--kv-cache-dtype fp8_e5m2/fp8_e4m3`) is read through a copy of
-the rows the plan names, widened to the queries' dtype (exactly: every fp8 value is a bf16 value):
-torch's SDPA would give a token another result decoded alone than verified in a tree or batched with
-others. Half precision is read as it lies and computed in float32 inside, the output rounded once.
+It takes forwards whose new keys are already in the pool, in float32, bf16 or float16, without a logit
+cap; everything else stays with torch. An fp8 KV pool (`--kv-cache-dtype fp8_e5m2/fp8_e4m3`) is read
+through a copy of the rows the plan names, widened to the queries' dtype (exactly: every fp8 value is a
+bf16 value): torch's SDPA would give a token another result decoded alone than verified in a tree or
+batched with others. Half precision is read as it lies and computed in float32 inside, the output rounded
+once.
 Active on the CPU engine once `install()` ran (the plugin does);
 `SGLANG_DART_CPU_ATTENTION=torch` keeps torch's SDPA.
 """
@@ -34,11 +40,6 @@ if TYPE_CHECKING:
 
 ENV = "SGLANG_DART_CPU_ATTENTION"
 CHOICES = ("rust", "torch")
-# Queries a request at most: more are a prefill chunk, left to torch's SDPA (the Rust kernel gathers a
-# request's keys again for every 16 query rows). Rust against torch per layer (one request, 300 cached tokens,
-# bf16, Python call included): one query 43 against 110 us, trees of 8 95 against 161, of 16 168 against
-# 216, of 32 274 against 336 (benchmarks/attention_layer.py; throughput.md, run 116).
-MAX_QUERIES = 32
 
 _KERNELS = {
     torch.float32: _core.attend_f32,
@@ -80,8 +81,8 @@ def applies(
     plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, logit_cap: float
 ) -> bool:
     """Whether this layer's attention goes to Rust: installed, CPU tensors of one dtype the kernel takes
-    (or a pool in fp8), the pool's contiguous, few queries a request, new keys in the pool (the plan has
-    key_loc), no logit cap, no gradient."""
+    (or a pool in fp8), the pool's contiguous, new keys in the pool (the plan has key_loc), no logit cap,
+    no gradient."""
     return (
         _active
         and q.is_cpu
@@ -91,7 +92,6 @@ def applies(
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and plan.key_loc is not None
-        and plan.query_row.shape[1] <= MAX_QUERIES
         and not (logit_cap and logit_cap > 0)
         and not (torch.is_grad_enabled() and q.requires_grad)
     )

@@ -1,7 +1,7 @@
 """The Rust CPU attention (sglang_dart/cpu/rust_attention.py, rust/dart-core/src/attention.rs): the same
 results as torch's path and the float64 definition on decode, extend and tree-verify plans; a row's result
-bit-identical decoded alone and verified in a tree; the forwards it does not take left to torch; bad
-settings and inputs refused."""
+bit-identical decoded alone, verified in a tree and prefilled; the forwards it does not take left to torch;
+bad settings and inputs refused."""
 
 from __future__ import annotations
 
@@ -142,14 +142,47 @@ def test_an_fp8_pool_reads_as_its_values_widened(rust_on, dtype, pool_dtype):
     torch.testing.assert_close(got.float(), by_torch.float(), atol=tol, rtol=tol)
 
 
-def test_forwards_it_does_not_take_stay_with_torch(rust_on):
-    too_many = rust_attention.MAX_QUERIES + 1
-    case = Case([10], [too_many], seed=1)
-    loc = torch.zeros(too_many, dtype=torch.int64)
-    long_plan = make_plan(
-        case.req_to_token, case.req_pool_indices, torch.tensor([10]), torch.tensor([too_many]), None, loc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_prefilled_token_equals_the_same_token_decoded(rust_on, dtype):
+    """A prompt's tokens prefilled in one chunk (more queries than any tree, so the kernel's long tasks)
+    get the bits each gets decoded after the ones before it: with the radix cache a prompt's K/V may come
+    from either forward, and the server's answer must not depend on which."""
+    cached, new, heads, kv_heads, dim = 40, 300, 9, 3, 64
+    g = torch.Generator().manual_seed(11)
+    slots = 2 * (cached + new)
+    k_cache = torch.randn((slots, kv_heads, dim), generator=g).to(dtype)
+    v_cache = torch.randn((slots, kv_heads, dim), generator=g).to(dtype)
+    q = torch.randn((new, heads, dim), generator=g).to(dtype)
+    req_to_token = torch.randperm(slots, generator=g)[: cached + new].view(1, -1).to(torch.int32)
+    prefill_plan = make_plan(
+        req_to_token,
+        torch.tensor([0]),
+        torch.tensor([cached]),
+        torch.tensor([new]),
+        None,
+        req_to_token[0, cached:],
     )
-    assert not rust_attention.applies(long_plan, case.q, case.k_cache, case.v_cache, 0.0)
+    assert rust_attention.applies(prefill_plan, q, k_cache, v_cache, 0.0)
+    prefilled = attend(prefill_plan, q, None, None, k_cache, v_cache, 0.125)
+    for i in [*range(0, new, 23), new - 1]:
+        decode_plan = make_plan(
+            req_to_token,
+            torch.tensor([0]),
+            torch.tensor([cached + i]),
+            torch.tensor([1]),
+            None,
+            req_to_token[0, cached + i : cached + i + 1],
+        )
+        alone = attend(decode_plan, q[i : i + 1], None, None, k_cache, v_cache, 0.125)
+        assert torch.equal(alone[0], prefilled[i]), f"token {i}"
+    rust_attention.uninstall()
+    by_torch = attend(prefill_plan, q, None, None, k_cache, v_cache, 0.125)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(prefilled.float(), by_torch.float(), atol=tol, rtol=tol)
+
+
+def test_forwards_it_does_not_take_stay_with_torch(rust_on):
+    loc = torch.zeros(2, dtype=torch.int64)
     short = Case([10], [2], seed=1)
     plan = make_plan(
         short.req_to_token, short.req_pool_indices, torch.tensor([10]), torch.tensor([2]), None, loc[:2]

@@ -165,6 +165,11 @@ impl Drop for Withdraw<'_> {
     }
 }
 
+/// Threads a loop may run on, the caller included.
+pub fn threads() -> usize {
+    team().handles.get().map_or(0, Vec::len) + 1
+}
+
 /// Runs `body(i)` for every `i` in `0..count` on the calling thread and the team's helpers; returns when
 /// all have run. A panic in `body` on a helper is re-raised here.
 pub fn for_each_index(count: usize, body: &(dyn Fn(usize) + Sync)) {
