@@ -492,6 +492,39 @@ def test_bf16_greedy_equals_plain_where_one_product_takes_every_few_row_linear(v
         plain.stop()
 
 
+def test_float16_prompt_tokens_get_the_bits_of_decode_steps(variant_servers):
+    """Every float16 forward here gives a token the same bits whatever else the forward holds (the F16C
+    product, Rust's row-wise ops, Rust's attention at any query count), so a prompt's K/V are the same
+    whether a prefill or decode steps computed them, and with the radix cache a greedy answer does not
+    depend on what the server served before. Where it shows: the log-probabilities that decode steps gave
+    a request's tokens equal, to the bit, those one prefill of the same tokens gives (torch's SDPA in
+    prefills of more than 32 tokens parted them at every token)."""
+    from sglang_dart.cpu.skinny_gemm import f16_kernel_pays
+
+    if not f16_kernel_pays():
+        pytest.skip("torch's float16 products here (AMX, or no AVX2/F16C)")
+    plain = variant_servers("f16-plain")
+    greedy = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    for prompt in many_prompts(3):
+        first = plain.generate(
+            {"text": prompt, "sampling_params": greedy, "return_logprob": True, "logprob_start_len": 0}
+        )
+        prompt_ids = [token for _, token, _ in first["meta_info"]["input_token_logprobs"]]
+        again = plain.generate(
+            {
+                "input_ids": prompt_ids + first["output_ids"],
+                "sampling_params": {**greedy, "max_new_tokens": 1},
+                "return_logprob": True,
+                "logprob_start_len": len(prompt_ids),  # these tokens are computed again, in one extend
+            }
+        )
+        prefilled = again["meta_info"]["input_token_logprobs"]
+        decoded = first["meta_info"]["output_token_logprobs"]
+        assert [token for _, token, _ in prefilled] == first["output_ids"]
+        # The first one's comes from the prompt's last position, which the cache holds: SGLang gives none.
+        assert [logprob for logprob, _, _ in prefilled[1:]] == [logprob for logprob, _, _ in decoded[1:]]
+
+
 def test_float16_greedy_equals_plain_on_the_f16c_product(variant_servers):
     """In float16 every linear goes to the Rust F16C product (`skinny_gemm.f16_rust_only`), which gives a
     row the same bits whatever the call's other rows: a token verified in a tree of 8 gets the bits it gets
