@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from sglang_dart import _core
+from sglang_dart.cpu import skinny_gemm
 
 ENV = "SGLANG_DART_CPU_ROWWISE"
 _MARK = "_sglang_dart_rowwise"
@@ -75,8 +76,11 @@ TORCH_PARALLEL_ELEMENTS = 32768
 
 
 def _small_enough(x: torch.Tensor) -> bool:
-    """Too small a SiLU-and-mul for torch to share it out over its threads (or torch has one)."""
-    return x.numel() // 2 < TORCH_PARALLEL_ELEMENTS or torch.get_num_threads() == 1
+    """Too small a SiLU-and-mul for torch to share it out over its threads (or torch has one), or one of a
+    dtype whose forwards are row-invariant (`skinny_gemm.rust_only`: every product Rust's): there a
+    prefill's rows must get the bits a decode's do, and torch's exp rounds apart from the kernel's."""
+    small = x.numel() // 2 < TORCH_PARALLEL_ELEMENTS or torch.get_num_threads() == 1
+    return small or skinny_gemm.rust_only(x.dtype)
 
 
 def applies(*tensors: torch.Tensor) -> bool:

@@ -33,11 +33,12 @@ weight shape, dtype, row-count bucket (1, 2-3, 4-7, 8-15, ...) and torch thread 
 and the fastest is kept. `gemm_tuning` times every bucket of a model's weights when it is loaded; a bucket
 left undecided is timed on its first serving calls, which then rotate through the forms.
 
-`SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `rust`,
-`packed` (force a form wherever it applies). The Rust team has as many threads (caller included) as torch
-uses in the process unless `SGLANG_DART_GEMM_THREADS` says otherwise; `SGLANG_DART_GEMM_SPIN_US` (default
-0; 1000 where `small_step_threads` is on) makes its helpers poll that long after each product before
-sleeping.
+`SGLANG_DART_CPU_SKINNY_GEMM`: `auto` (default, time and choose), or `torch`, `transposed`, `packed`
+(force a form wherever it applies), or `rust`: every float32, bf16 and float16 product, whatever its rows
+(`rust_only`), so that no row's bits depend on the others anywhere, prefills included. The Rust team
+has as many threads (caller included) as torch uses in the process unless `SGLANG_DART_GEMM_THREADS`
+says otherwise; `SGLANG_DART_GEMM_SPIN_US` (default 0; 1000 where `small_step_threads` is on) makes its
+helpers poll that long after each product before sleeping.
 
 After each parallel region libgomp's workers spin (GOMP_SPINCOUNT, 300000 by default) waiting for the
 next one, and on a 2-core machine that spinning takes a core from the Rust helpers. So where the Rust
@@ -162,18 +163,24 @@ _HALF_PRODUCTS = {torch.bfloat16: skinny_matmul_bf16, torch.float16: skinny_matm
 
 def _rust(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _size_rust_team()
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    half_product = _HALF_PRODUCTS.get(x.dtype)
-    if half_product is not None:
-        x, weight_bits = x.contiguous(), _half_bits(weight.detach())
-        # Past the product's row limit (prefill, `half_rust_only`) in blocks of rows: a row's bits do not
-        # depend on the others.
-        for first in range(0, x.shape[0], SKINNY_MATMUL_MAX_ROWS):
-            block = slice(first, first + SKINNY_MATMUL_MAX_ROWS)
-            half_product(_half_bits(x[block]), weight_bits, _half_bits(out[block]))
-    else:
-        skinny_matmul(x.contiguous().numpy(), weight.detach().numpy(), out.numpy())
+    x, out = x.contiguous(), x.new_empty(x.shape[0], weight.shape[0])
+    product = _rust_block_product(weight.detach())
+    # Past the product's row limit (prefill, `rust_only`) in blocks of rows: a row's bits do not depend on
+    # the others.
+    for first in range(0, x.shape[0], SKINNY_MATMUL_MAX_ROWS):
+        block = slice(first, first + SKINNY_MATMUL_MAX_ROWS)
+        product(x[block], out[block])
     return out
+
+
+def _rust_block_product(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """`(rows, out)` -> out = rows @ weight.T by the Rust product, for up to SKINNY_MATMUL_MAX_ROWS rows."""
+    half_product = _HALF_PRODUCTS.get(weight.dtype)
+    if half_product is None:
+        values = weight.numpy()
+        return lambda rows, out: skinny_matmul(rows.numpy(), values, out.numpy())
+    bits = _half_bits(weight)
+    return lambda rows, out: half_product(_half_bits(rows), bits, _half_bits(out))
 
 
 def _cpu_has_amx() -> bool:
@@ -220,8 +227,17 @@ def f16_rust_only() -> bool:
     return mode() == "auto" and f16_kernel_pays()
 
 
-def half_rust_only(dtype: torch.dtype) -> bool:
-    """`bf16_rust_only` or `f16_rust_only`, for products of `dtype`."""
+def rust_only(dtype: torch.dtype) -> bool:
+    """Whether every product of `dtype` goes to Rust, untimed, whatever its rows (in blocks past 64):
+    `bf16_rust_only` or `f16_rust_only` for half precision under `auto`, and every dtype the Rust product
+    takes under `SGLANG_DART_CPU_SKINNY_GEMM=rust`. Then a row's bits never depend on the forward's other
+    rows, prefills included: with the Rust attention (any query count) a server's greedy output does not
+    depend on how its batches were composed or which forward filled its radix cache, and greedy DART
+    equals plain decoding at every batch size. The price is prefill speed where torch's products reuse
+    each loaded weight across more rows: one SmolLM2 layer's linears over 2,048 rows on the AVX512-BF16
+    EPYC, bf16, 72 ms against torch's 34 (throughput.md, run 125)."""
+    if mode() == "rust":
+        return dtype in rust_dtypes()
     if dtype == torch.bfloat16:
         return bf16_rust_only()
     return dtype == torch.float16 and f16_rust_only()
@@ -379,14 +395,13 @@ def forms_for(rows: int, x: torch.Tensor, weight: torch.Tensor) -> tuple[str, ..
         and not training
     )
     if rust_takes and (
-        (weight.dtype == torch.bfloat16 and bf16_rust_untimed(rows))
-        or (weight.dtype == torch.float16 and f16_rust_only())
+        rust_only(weight.dtype) or (weight.dtype == torch.bfloat16 and bf16_rust_untimed(rows))
     ):
-        return ("rust",)  # (past 64 rows only `half_rust_only`: `_rust` takes them in blocks)
+        return ("rust",)  # (past 64 rows only `rust_only`: `_rust` takes them in blocks)
     rust_fits = (
         rust_takes and rows <= SKINNY_MATMUL_MAX_ROWS and (weight.dtype != torch.bfloat16 or _bf16_rust_now())
     )
-    if rows > MAX_ROWS:  # (past PACKED_MAX_ROWS only where `half_rust_only` let `linear` ask)
+    if rows > MAX_ROWS:  # (past PACKED_MAX_ROWS only where `rust_only` let `linear` ask)
         return ("torch", "packed") if packed_fits and rows <= PACKED_MAX_ROWS else ("torch",)
     one_row = ("torch", *(("rust",) if rust_fits else ()), *(("packed",) if packed_fits else ()))
     # (W @ x.T).T is F.linear's own call for one row
@@ -446,7 +461,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     current = mode()
     if rows < 1 or x.device.type != "cpu" or current == "torch":
         return F.linear(x, weight, bias)
-    if rows > PACKED_MAX_ROWS and not half_rust_only(x.dtype):
+    if rows > PACKED_MAX_ROWS and not rust_only(x.dtype):
         return F.linear(x, weight, bias)
     forms = forms_for(rows, x, weight)
     if forms == ("torch",):  # nothing else applies (more rows than the few-row forms take)

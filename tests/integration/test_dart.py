@@ -134,6 +134,20 @@ def _variant_specs(tiny_qwen3_dir: Path, qwen3_assets: tuple[Path, Path], bf16_m
             {"GOMP_SPINCOUNT": None},
             "qwen3-f16-plain",
         ),
+        # bf16 under the row-invariant setting (every product Rust's, whatever its rows), trees of 16 every
+        # step, and its plain reference.
+        "bf16-row-invariant-trees": (
+            bf16_model,
+            [*base, "--dtype", "auto"],
+            {TREE_SIZES_ENV: "1:16", ROW_INVARIANT[0]: ROW_INVARIANT[1]},
+            "qwen3-bf16-row-invariant-trees",
+        ),
+        "bf16-row-invariant-plain": (
+            bf16_model,
+            ["--dtype", "auto", *SEED, "--disable-overlap-schedule"],
+            {ROW_INVARIANT[0]: ROW_INVARIANT[1]},
+            "qwen3-bf16-row-invariant-plain",
+        ),
         "root-only": (tiny_qwen3_dir, base, {TREE_SIZES_ENV: "1:1"}, "qwen3-root-only"),
         # Two schedulers, each with a DART worker of its own (SGLang's data-parallel replicas).
         "data-parallel": (tiny_qwen3_dir, [*base, "--dp-size", "2"], {}, "qwen3-dart-dp2"),
@@ -147,7 +161,10 @@ VARIANT_GROUPS = [
     ("no-chains", "reentry"),
     ("bf16-default-sizes", "bf16-plain", "root-only", "data-parallel"),
     ("f16-trees", "f16-plain"),
+    ("bf16-row-invariant-trees", "bf16-row-invariant-plain"),
 ]
+# The setting that gives every linear, whatever its rows, to the Rust product (`skinny_gemm.rust_only`).
+ROW_INVARIANT = ("SGLANG_DART_CPU_SKINNY_GEMM", "rust")
 
 
 @pytest.fixture(scope="module")
@@ -503,14 +520,19 @@ def test_float16_prompt_tokens_get_the_bits_of_decode_steps(variant_servers):
 
     if not f16_kernel_pays():
         pytest.skip("torch's float16 products here (AMX, or no AVX2/F16C)")
-    plain = variant_servers("f16-plain")
+    _assert_prefill_logprobs_equal_decode_steps(variant_servers("f16-plain"), many_prompts(3))
+
+
+def _assert_prefill_logprobs_equal_decode_steps(server: SglangServer, prompts: list[str]) -> None:
+    """Each prompt's greedy answer, then the prompt and answer again as one prompt whose answer part is
+    computed anew in one extend: every answer token's log-probability the same to the bit both ways."""
     greedy = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
-    for prompt in many_prompts(3):
-        first = plain.generate(
+    for prompt in prompts:
+        first = server.generate(
             {"text": prompt, "sampling_params": greedy, "return_logprob": True, "logprob_start_len": 0}
         )
         prompt_ids = [token for _, token, _ in first["meta_info"]["input_token_logprobs"]]
-        again = plain.generate(
+        again = server.generate(
             {
                 "input_ids": prompt_ids + first["output_ids"],
                 "sampling_params": {**greedy, "max_new_tokens": 1},
@@ -522,7 +544,31 @@ def test_float16_prompt_tokens_get_the_bits_of_decode_steps(variant_servers):
         decoded = first["meta_info"]["output_token_logprobs"]
         assert [token for _, token, _ in prefilled] == first["output_ids"]
         # The first one's comes from the prompt's last position, which the cache holds: SGLang gives none.
-        assert [logprob for logprob, _, _ in prefilled[1:]] == [logprob for logprob, _, _ in decoded[1:]]
+        assert [logprob for logprob, _, _ in prefilled[1:]] == [logprob for logprob, _, _ in decoded[1:]], (
+            prompt
+        )
+
+
+def test_under_the_row_invariant_setting_bf16_dart_equals_plain_at_any_batch(variant_servers):
+    """`SGLANG_DART_CPU_SKINNY_GEMM=rust` gives every linear to the Rust product whatever its rows (and
+    SiLU-and-mul to its kernel at any size; attention is Rust's at any query count anyway), so no row's
+    bits depend on the forward's other rows. Then greedy bf16 DART equals plain decoding with trees of 16
+    at concurrency 8 (verify forwards of up to 128 rows, which `auto` leaves to timed torch products) on
+    prompts of any length, and a prefill's log-probabilities equal the decode steps'."""
+    plain, dart = variant_servers("bf16-row-invariant-plain"), variant_servers("bf16-row-invariant-trees")
+    try:
+        prompts = many_prompts(12)
+        reference = run_all(plain, prompts, 1, n=32)
+        for concurrency in (1, 8):
+            speculative = run_all(dart, prompts, concurrency, n=32)
+            for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
+                assert spec["output_ids"] == ref["output_ids"], (concurrency, prompt)
+            assert sum(out["meta_info"]["spec_num_proposed_drafts"] for out in speculative) > 0
+        _assert_prefill_logprobs_equal_decode_steps(plain, many_prompts(3))
+        _assert_prefill_logprobs_equal_decode_steps(dart, many_prompts(3)[1:])
+    finally:
+        plain.stop()
+        dart.stop()
 
 
 def test_float16_greedy_equals_plain_on_the_f16c_product(variant_servers):

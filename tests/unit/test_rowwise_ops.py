@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_dart import _core
-from sglang_dart.cpu import rowwise_ops
+from sglang_dart.cpu import rowwise_ops, skinny_gemm
 
 HIDDEN, HEAD, Q_HEADS, KV_HEADS = 576, 64, 9, 3
 
@@ -179,6 +179,25 @@ def test_a_row_does_not_depend_on_the_batch(layers: SimpleNamespace) -> None:
         batch, _ = layers.rms_norm(layer, x.clone(), residual.clone())
         alone, _ = layers.rms_norm(layer, x[5:6].clone(), residual[5:6].clone())
     assert torch.equal(batch[5:6], alone)
+
+
+def test_under_the_row_invariant_setting_silu_is_rust_s_at_any_size(
+    layers: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every product Rust's (`SGLANG_DART_CPU_SKINNY_GEMM=rust`), a prefill-sized SiLU-and-mul, which
+    torch would share out over its threads, stays Rust's too: torch's float32 exp rounds apart from the
+    kernel's, and a row must get the bits it gets decoded alone."""
+    monkeypatch.setenv(skinny_gemm.ENV, "rust")
+    monkeypatch.setattr(skinny_gemm, "_mode", None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = randn(70, 2 * 1536, dtype=torch.float32, seed=9, scale=4.0)
+        batch = layers.silu(None, x)
+        for row in (0, 33, 69):
+            assert torch.equal(layers.silu(None, x[row : row + 1]), batch[row : row + 1])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(

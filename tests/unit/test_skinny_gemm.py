@@ -121,6 +121,21 @@ def test_rust_form_gives_a_row_the_same_bits_whatever_the_other_rows(monkeypatch
         assert torch.equal(skinny_gemm.linear(x[row : row + 1], weight), together[row : row + 1])
 
 
+@pytest.mark.parametrize(
+    "dtype, tolerance",
+    [(torch.float32, 1e-4), (torch.bfloat16, 2**-7), (torch.float16, 2**-10)],
+)
+def test_the_rust_setting_takes_every_product_whatever_its_rows(monkeypatch, dtype, tolerance):
+    """`SGLANG_DART_CPU_SKINNY_GEMM=rust` is the row-invariant setting: prefills too (600 rows, in blocks of
+    64) go to the Rust product, so a prompt token gets the bits it gets decoded alone, in every dtype."""
+    monkeypatch.setenv(skinny_gemm.ENV, "rust")
+    assert skinny_gemm.rust_only(dtype)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(600, 100, generator=generator).to(dtype)
+    weight = torch.randn(130, 100, generator=generator).to(dtype)
+    _assert_untimed_blocks_keep_rows_apart(x, weight, rtol=tolerance, atol=10 * tolerance)
+
+
 def test_rust_form_leaves_training_and_other_dtypes_to_torch(monkeypatch):
     monkeypatch.setenv(skinny_gemm.ENV, "rust")
     layer = skinny_gemm.Linear(32, 16, bias=False)
