@@ -1,6 +1,6 @@
 """benchmarks/attention_layer.py times torch's SDPA and the Rust kernel on the same plans: every shape it
-lists must go to the Rust kernel, and its trees must be trees (each query sees the cache, itself and its
-ancestors only)."""
+lists (trees and prefill chunks) must go to the Rust kernel, and its trees must be trees (each query sees the
+cache, itself and its ancestors only)."""
 
 import random
 import subprocess
@@ -37,11 +37,12 @@ def test_every_listed_shape_goes_to_the_rust_kernel():
     was_active = rust_attention.active()
     rust_attention.install()
     try:
-        for requests, queries, cached in bench.SHAPES:
-            plan = bench.plan_for(requests, queries, cached, random.Random(0))
-            q = torch.zeros(requests * queries, bench.HEADS, bench.HEAD_DIM)
-            k = torch.zeros(bench.SLOTS, bench.KV_HEADS, bench.HEAD_DIM)
-            assert rust_attention.applies(plan, q, k, k, 0.0), (requests, queries, cached)
+        for shapes, causal in ((bench.SHAPES, False), (bench.PREFILL_SHAPES, True)):
+            for requests, queries, cached in shapes:
+                plan = bench.plan_for(requests, queries, cached, random.Random(0), causal)
+                q = torch.zeros(requests * queries, bench.HEADS, bench.HEAD_DIM)
+                k = torch.zeros(bench.SLOTS, bench.KV_HEADS, bench.HEAD_DIM)
+                assert rust_attention.applies(plan, q, k, k, 0.0), (requests, queries, cached, causal)
     finally:
         if not was_active:
             rust_attention.uninstall()
