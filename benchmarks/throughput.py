@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -464,18 +465,28 @@ def main(argv: list[str] | None = None) -> None:
         title = f"{model.name}, --dtype {args.dtype}, {args.new_tokens} new tokens, greedy"
         print(f"\nplot: {throughput_png(per_server, args.png, title)}")
 
-    # Greedy outputs against plain's first run at the same batch size. Plain's own later runs give the
-    # floor: in bf16, batches composed differently may round differently and flip a near-tie argmax.
-    print("\nGreedy outputs identical to plain's first run at the same batch size (requests):\n")
+    # Greedy outputs against plain's first run at the same batch size, plain of the server's own copy where
+    # there is one (another --cpu-gemm form rounds otherwise). Plain's own later runs give the floor: in
+    # bf16, batches composed differently may round differently and flip a near-tie argmax.
+    print("\nGreedy outputs identical to the first run of plain (of the same copy) at the same batch size:\n")
     print("| batch size | " + " | ".join(results) + " |")
     print("|---" * (1 + len(results)) + "|")
     for bs in args.batch_sizes:
-        reference, *later = runs["plain"][bs]
         cells = []
         for name in results:
-            same, total = agreement(reference, later if name == "plain" else runs[name][bs])
+            plain_name = reference_server(name, runs)
+            reference, *later = runs[plain_name][bs]
+            same, total = agreement(reference, later if name == plain_name else runs[name][bs])
             cells.append(f"{same}/{total}" if total else "-")
         print(f"| {bs} | " + " | ".join(cells) + " |")
+
+
+def reference_server(name: str, names: Iterable[str]) -> str:
+    """The plain server whose greedy outputs `name`'s are held against: the plain server of the same copy
+    ("DART [rust gemm]" -> "plain [rust gemm]") where the run has one, else "plain"."""
+    _, bracket, copy = name.partition(" [")
+    own = f"plain [{copy}" if bracket else "plain"
+    return own if own in names else "plain"
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from benchmarks.throughput import (
     eagle3_setting,
     output_lengths,
     peer_configs,
+    reference_server,
     round_order,
     round_ratios,
     server_env,
@@ -27,6 +28,14 @@ def test_agreement_counts_requests_equal_to_the_reference_prompt_by_prompt():
     assert agreement(reference, runs) == (3, 4)
     assert agreement(reference, [_run((4, 5), (1, 2, 3))]) == (0, 2)  # swapped prompts do not count
     assert agreement(reference, []) == (0, 0)
+
+
+def test_a_copy_s_outputs_are_held_against_its_own_plain():
+    names = ["plain", "DART", "plain [rust gemm]", "DART [rust gemm]", "NGRAM"]
+    assert reference_server("DART [rust gemm]", names) == "plain [rust gemm]"
+    assert reference_server("plain [rust gemm]", names) == "plain [rust gemm]"
+    assert reference_server("DART", names) == "plain"
+    assert reference_server("DART [sync]", names) == "plain"  # a copy without a plain of its own
 
 
 def test_every_other_round_measures_the_servers_in_reverse():
