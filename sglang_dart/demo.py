@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -99,9 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         choices=["auto", "bfloat16", "float32"],
         help="auto (default): bfloat16 where it is fast (a GPU, or a CPU with AMX or AVX512-BF16), float32 "
-        "elsewhere; bfloat16: the two servers may round a product differently (a verify step's where "
-        "torch's products take trees, or the prompt's prefill), so the texts may part; float32: greedy "
-        "DART output is the target's, token for token",
+        "elsewhere; bfloat16: on a CPU without AMX both servers run every bf16 product on the Rust kernel "
+        "(row-invariant), so the texts are equal; elsewhere they may round a product differently (a verify "
+        "step's where torch's products take trees), so the texts may part; float32: greedy DART output is "
+        "the target's, token for token",
     )
     args = parser.parse_args(argv)
     stop_servers_on_sigterm()
@@ -137,12 +139,27 @@ def _servers(
     """A started server per entry of `flags` (its log: logs/NAME.log), all stopped on the way out. On the
     CPU engine they start side by side: a start-up is mostly single-threaded imports, and the CPU engine's
     KV pool is small. On a GPU one after the other: each would claim SGLang's static share of its memory."""
+    env = _row_invariant_env(dtype)
     servers = {
-        name: SglangServer(model, [*args, "--dtype", dtype], logs / f"{name}.log")
+        name: SglangServer(model, [*args, "--dtype", dtype], logs / f"{name}.log", env=env)
         for name, args in flags.items()
     }
     with serving(servers, start=bool(default_device_args())):
         yield servers
+
+
+def _row_invariant_env(dtype: str) -> dict[str, str | None]:
+    """The servers' environment: in bf16 on the CPU engine, where the Rust product takes bf16 linears (no
+    AMX), the row-invariant setting (`skinny_gemm.rust_only`), so that the prompt's prefill rounds as the
+    decode and verify steps do and DART's text is plain's token for token, as in float32. It costs the
+    short prompt's prefill a few milliseconds; decoding at batch 1 runs level (throughput.md, run 125).
+    A setting of the user's is kept; AMX CPUs (torch's tile products, not measured against the Rust one
+    there) and GPUs keep the default."""
+    from sglang_dart.cpu import skinny_gemm
+
+    if dtype != "bfloat16" or not default_device_args() or skinny_gemm.ENV in os.environ:
+        return {}
+    return {skinny_gemm.ENV: "rust"} if skinny_gemm.bf16_kernel_pays() else {}
 
 
 def _answer(server: SglangServer, *, prompt: str, max_tokens: int, echo: bool) -> Answer:
@@ -161,8 +178,7 @@ def report(dart: Answer, plain: Answer, dtype: str) -> str:
     if diff is not None and dtype != "float32":
         same += (
             f"; in {dtype} the two servers rounded a product differently (a verify step's, where torch's "
-            "products take trees, or the prompt's prefill): --dtype float32 gives the target's text token "
-            "for token"
+            "products take trees): --dtype float32 gives the target's text token for token"
         )
     return "\n".join(
         [
