@@ -12,8 +12,8 @@ its device. Nothing in `attend` reads a device value back, and no score block ex
 `SCORE_BLOCK_BYTES` (queries are taken in blocks), so a long prefill chunk cannot take gigabytes of
 temporary memory whatever kernel SDPA picks.
 
-On SGLang's CPU engine the forwards of few queries a request whose new keys are in the pool go to one Rust
-call a layer instead (`sglang_dart.cpu.rust_attention`, once the plugin installed it); GPUs never do.
+On SGLang's CPU engine every forward whose new keys are in the pool (decode, verify, prefill) goes to one
+Rust call a layer instead (`sglang_dart.cpu.rust_attention`, once the plugin installed it); GPUs never do.
 """
 
 from __future__ import annotations
