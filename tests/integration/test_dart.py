@@ -523,6 +523,20 @@ def test_float16_prompt_tokens_get_the_bits_of_decode_steps(variant_servers):
     _assert_prefill_logprobs_equal_decode_steps(variant_servers("f16-plain"), many_prompts(3))
 
 
+def _assert_greedy_equals_plain(
+    plain: SglangServer, dart: SglangServer, concurrencies: tuple[int, ...]
+) -> None:
+    """12 prompts, 32 greedy tokens: DART's output at each concurrency equals plain's at concurrency 1,
+    and trees ran."""
+    prompts = many_prompts(12)
+    reference = run_all(plain, prompts, 1, n=32)
+    for concurrency in concurrencies:
+        speculative = run_all(dart, prompts, concurrency, n=32)
+        for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
+            assert spec["output_ids"] == ref["output_ids"], (concurrency, prompt)
+        assert sum(out["meta_info"]["spec_num_proposed_drafts"] for out in speculative) > 0
+
+
 def _assert_prefill_logprobs_equal_decode_steps(server: SglangServer, prompts: list[str]) -> None:
     """Each prompt's greedy answer, then the prompt and answer again as one prompt whose answer part is
     computed anew in one extend: every answer token's log-probability the same to the bit both ways."""
@@ -557,13 +571,7 @@ def test_under_the_row_invariant_setting_bf16_dart_equals_plain_at_any_batch(var
     prompts of any length, and a prefill's log-probabilities equal the decode steps'."""
     plain, dart = variant_servers("bf16-row-invariant-plain"), variant_servers("bf16-row-invariant-trees")
     try:
-        prompts = many_prompts(12)
-        reference = run_all(plain, prompts, 1, n=32)
-        for concurrency in (1, 8):
-            speculative = run_all(dart, prompts, concurrency, n=32)
-            for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
-                assert spec["output_ids"] == ref["output_ids"], (concurrency, prompt)
-            assert sum(out["meta_info"]["spec_num_proposed_drafts"] for out in speculative) > 0
+        _assert_greedy_equals_plain(plain, dart, concurrencies=(1, 8))
         _assert_prefill_logprobs_equal_decode_steps(plain, many_prompts(3))
         _assert_prefill_logprobs_equal_decode_steps(dart, many_prompts(3)[1:])
     finally:
@@ -582,13 +590,7 @@ def test_float16_greedy_equals_plain_on_the_f16c_product(variant_servers):
         pytest.skip("torch's float16 products here (AMX, or no AVX2/F16C)")
     plain, dart = variant_servers("f16-plain"), variant_servers("f16-trees")
     try:
-        prompts = many_prompts(12)
-        reference = run_all(plain, prompts, 1, n=32)
-        for concurrency in (1, 4):
-            speculative = run_all(dart, prompts, concurrency, n=32)
-            for prompt, spec, ref in zip(prompts, speculative, reference, strict=True):
-                assert spec["output_ids"] == ref["output_ids"], (concurrency, prompt)
-            assert sum(out["meta_info"]["spec_num_proposed_drafts"] for out in speculative) > 0
+        _assert_greedy_equals_plain(plain, dart, concurrencies=(1, 4))
         assert "Rust few-row linears on" in dart.log_text()
     finally:
         plain.stop()

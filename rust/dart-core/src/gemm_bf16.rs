@@ -146,8 +146,12 @@ mod avx512 {
     use super::{bf16_to_f32, f32_to_bf16, LANES};
     use crate::gemm::PREFETCH_L2_BYTES;
     use std::arch::x86_64::{
-        __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_reduce_add_ps,
-        _mm512_setzero_ps, _mm_prefetch, _MM_HINT_T0, _MM_HINT_T1,
+        __m512, __m512bh, __m512i, _mm512_add_epi32, _mm512_add_ps, _mm512_and_si512,
+        _mm512_castps_si512, _mm512_cmp_ps_mask, _mm512_cvtss_f32, _mm512_dpbf16_ps,
+        _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_blend_epi32, _mm512_or_si512,
+        _mm512_permute_ps, _mm512_set1_epi32, _mm512_setzero_ps, _mm512_shuffle_f32x4,
+        _mm512_shuffle_ps, _mm512_srli_epi32, _mm512_storeu_si512, _mm_prefetch, _CMP_UNORD_Q,
+        _MM_HINT_T0, _MM_HINT_T1,
     };
 
     /// 32 bf16 values at `ptr` as a `__m512bh`.
@@ -262,7 +266,7 @@ mod avx512 {
             }
         }
         for (r, acc_r) in acc.iter().enumerate() {
-            let mut sum = _mm512_reduce_add_ps(*acc_r);
+            let mut sum = sum_lanes(*acc_r);
             for i in body..k {
                 sum = bf16_to_f32(weights[i]).mul_add(bf16_to_f32(x[r * k + i]), sum);
             }
@@ -271,9 +275,117 @@ mod avx512 {
         R
     }
 
+    /// The sum of the 16 lanes of `v` in one fixed tree: lanes i and i + 8, then i and i + 4, i and i + 2,
+    /// i and i + 1 (so lane 0 ends up with ((v0 + v8) + (v4 + v12)) + ...). `sum_16_lanes` adds each of
+    /// its vectors in this same tree, so a sum has the same bits whichever of the two took it.
+    #[target_feature(enable = "avx512f")]
+    fn sum_lanes(v: __m512) -> f32 {
+        let a = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b11_10_11_10>(v, v));
+        let b = _mm512_add_ps(a, _mm512_shuffle_f32x4::<0b01_01_01_01>(a, a));
+        let c = _mm512_add_ps(b, _mm512_permute_ps::<0b11_10_11_10>(b));
+        let d = _mm512_add_ps(c, _mm512_permute_ps::<0b01_01_01_01>(c));
+        _mm512_cvtss_f32(d)
+    }
+
+    /// The lane sums of 16 vectors (`sum_lanes`'s tree for each, every addition shared out over the
+    /// lanes of one vector instead of 16 reductions of their own), as one vector: lane 4j + m holds the
+    /// sum of `v[4m + j]`, reordered here to lane i for `v[i]`.
+    #[target_feature(enable = "avx512f")]
+    fn sum_16_lanes(v: &[__m512]) -> [f32; 16] {
+        assert_eq!(v.len(), 16);
+        // Lanes 0-7: a[i] + a[i + 8]; 8-15: b[i] + b[i + 8] (a, b = v[2p], v[2p + 1]).
+        let halves: [__m512; 8] = std::array::from_fn(|p| {
+            let (a, b) = (v[2 * p], v[2 * p + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        });
+        // Quarter j: vector 4q + j's x[i] + x[i + 4] (x its sums above, i < 4).
+        let quarters: [__m512; 4] = std::array::from_fn(|q| {
+            let (a, b) = (halves[2 * q], halves[2 * q + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        });
+        // Quarter j: [y0 + y2, y1 + y3] of vector 8s + j, then of vector 8s + 4 + j.
+        let pairs: [__m512; 2] = std::array::from_fn(|s| {
+            let (a, b) = (quarters[2 * s], quarters[2 * s + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+            )
+        });
+        let (a, b) = (pairs[0], pairs[1]);
+        let sums = _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+        );
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: `lanes` is 64 writable bytes; unaligned stores are allowed.
+        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), _mm512_castps_si512(sums)) };
+        std::array::from_fn(|i| lanes[4 * (i % 4) + i / 4])
+    }
+
+    /// `f32_to_bf16` of 16 values at once (nearest even, NaN kept a quiet NaN), as u32 lanes.
+    #[target_feature(enable = "avx512f")]
+    fn rounded_to_bf16(values: [f32; 16]) -> [u32; 16] {
+        // SAFETY: `values` is 64 readable bytes; unaligned loads are allowed.
+        let vector = unsafe { _mm512_loadu_ps(values.as_ptr()) };
+        let bits = _mm512_castps_si512(vector);
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(vector, vector);
+        let low_bit = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounding = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), low_bit);
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, rounding));
+        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x0040));
+        let out = _mm512_mask_blend_epi32(nan, rounded, quiet);
+        let mut lanes = [0u32; 16];
+        // SAFETY: `lanes` is 64 writable bytes.
+        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), out) };
+        lanes
+    }
+
+    /// `sum_16_lanes` adds each vector in `sum_lanes`'s order: float32 sums compared to the bit (a
+    /// bf16 product's rounding would hide most differences of order).
+    #[cfg(test)]
+    #[test]
+    fn sixteen_sums_at_once_have_the_bits_of_one_at_a_time() {
+        if !(std::arch::is_x86_feature_detected!("avx512f")) {
+            return;
+        }
+        let mut state = 12345u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            // Mantissas in full and 17 binades, so that the order of the additions shows.
+            (state % 100_003) as f32 / 7.0 * 2f32.powi((state % 17) as i32 - 8) - 3000.0
+        };
+        for _ in 0..64 {
+            let lanes: Vec<[f32; 16]> = (0..16).map(|_| std::array::from_fn(|_| next())).collect();
+            // SAFETY: AVX-512F detected above; each array is 64 readable bytes.
+            let (together, alone) = unsafe {
+                let v: Vec<__m512> = lanes.iter().map(|l| _mm512_loadu_ps(l.as_ptr())).collect();
+                let alone: Vec<f32> = v.iter().map(|&x| sum_lanes(x)).collect();
+                (sum_16_lanes(&v), alone)
+            };
+            assert_eq!(
+                together.map(f32::to_bits).to_vec(),
+                alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+            // and the tree is not the sequential one, nor float64's: the test can tell orders apart
+            assert!(lanes
+                .iter()
+                .zip(&alone)
+                .any(|(l, &a)| l.iter().sum::<f32>() != a));
+        }
+    }
+
     /// `tile_dot` for two weight rows at once (`weights`: 2 * k values), into `columns[c * rows +
     /// first + r]` for c = 0, 1; returns R. Each output's sum is `tile_dot`'s sequence of operations
-    /// (its own accumulator, the same horizontal sum and tail), so pairing never changes a bit. Kept
+    /// (its own accumulator, the same horizontal sum and tail; a full tile of 8 rows without a tail
+    /// takes its 16 horizontal sums together, in the same tree), so pairing never changes a bit. Kept
     /// apart from `tile_dot` on purpose: one tile generic over the weight-row count ran the 8-row
     /// products 1-3% slower (run 53), and 1-8 rows are the decode and batch-1 verify path.
     #[target_feature(enable = "avx512f,avx512bf16")]
@@ -314,9 +426,18 @@ mod avx512 {
                 }
             }
         }
+        if R == 8 && body == k {
+            // 16 sums without a tail: all at once (`sum_16_lanes`), rounded as one vector.
+            let sums: [u32; 16] = rounded_to_bf16(sum_16_lanes(acc.as_flattened()));
+            for (v, &bits) in sums.iter().enumerate() {
+                let (r, c) = (v / 2, v % 2);
+                columns[c * rows + first + r] = bits as u16;
+            }
+            return R;
+        }
         for (r, acc_r) in acc.iter().enumerate() {
             for (c, acc_rc) in acc_r.iter().enumerate() {
-                let mut sum = _mm512_reduce_add_ps(*acc_rc);
+                let mut sum = sum_lanes(*acc_rc);
                 for i in body..k {
                     sum = bf16_to_f32(weights[c * k + i]).mul_add(bf16_to_f32(x[r * k + i]), sum);
                 }
@@ -416,6 +537,9 @@ mod tests {
             201,
             &[2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16],
         );
+        // No tail: the 8-row paired tiles sum their 16 outputs together (`sum_16_lanes`), the others
+        // one by one (`sum_lanes`).
+        assert_rows_keep_their_bits(skinny_matmul_bf16, 128, 201, &[8, 9, 15, 16]);
     }
 
     /// The AVX2 path on its own (the public function takes the AVX512-BF16 kernel where there is one).
