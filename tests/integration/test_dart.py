@@ -563,22 +563,6 @@ def _assert_prefill_logprobs_equal_decode_steps(server: SglangServer, prompts: l
         )
 
 
-def test_under_the_row_invariant_setting_bf16_dart_equals_plain_at_any_batch(variant_servers):
-    """`SGLANG_DART_CPU_SKINNY_GEMM=rust` gives every linear to the Rust product whatever its rows (and
-    SiLU-and-mul to its kernel at any size; attention is Rust's at any query count anyway), so no row's
-    bits depend on the forward's other rows. Then greedy bf16 DART equals plain decoding with trees of 16
-    at concurrency 8 (verify forwards of up to 128 rows, which `auto` leaves to timed torch products) on
-    prompts of any length, and a prefill's log-probabilities equal the decode steps'."""
-    plain, dart = variant_servers("bf16-row-invariant-plain"), variant_servers("bf16-row-invariant-trees")
-    try:
-        _assert_greedy_equals_plain(plain, dart, concurrencies=(1, 8))
-        _assert_prefill_logprobs_equal_decode_steps(plain, many_prompts(3))
-        _assert_prefill_logprobs_equal_decode_steps(dart, many_prompts(3)[1:])
-    finally:
-        plain.stop()
-        dart.stop()
-
-
 def test_float16_greedy_equals_plain_on_the_f16c_product(variant_servers):
     """In float16 every linear goes to the Rust F16C product (`skinny_gemm.f16_rust_only`), which gives a
     row the same bits whatever the call's other rows: a token verified in a tree of 8 gets the bits it gets
@@ -700,6 +684,23 @@ def test_data_parallel_replicas_keep_greedy_output_equal_to_plain(qwen3_referenc
     for rank in (0, 1):  # both replicas built a DART worker and served requests (each one speculated)
         assert f"DP{rank}] DART tree size by batch size" in log
         assert f"DP{rank}] Prefill batch" in log
+
+
+def test_under_the_row_invariant_setting_bf16_dart_equals_plain_at_any_batch(variant_servers):
+    """`SGLANG_DART_CPU_SKINNY_GEMM=rust` gives every linear to the Rust product whatever its rows (and
+    SiLU-and-mul to its kernel at any size; attention is Rust's at any query count anyway), so no row's
+    bits depend on the forward's other rows. Then greedy bf16 DART equals plain decoding with trees of 16
+    at concurrency 8 (verify forwards of up to 128 rows, which `auto` leaves to timed torch products) on
+    prompts of any length, and a prefill's log-probabilities equal the decode steps'. (Runs after the tests
+    that stop the bf16 and float16 variants: on 2 cores and 24 GiB, more servers side by side starved.)"""
+    plain, dart = variant_servers("bf16-row-invariant-plain"), variant_servers("bf16-row-invariant-trees")
+    try:
+        _assert_greedy_equals_plain(plain, dart, concurrencies=(1, 8))
+        _assert_prefill_logprobs_equal_decode_steps(plain, many_prompts(3))
+        _assert_prefill_logprobs_equal_decode_steps(dart, many_prompts(3)[1:])
+    finally:
+        plain.stop()
+        dart.stop()
 
 
 def _dart_argv(model: Path, draft: Path | None, store: Path | None, extra: list[str] = ()) -> list[str]:

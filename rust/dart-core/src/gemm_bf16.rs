@@ -374,7 +374,7 @@ mod avx512 {
                 together.map(f32::to_bits).to_vec(),
                 alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             );
-            // and the tree is not the sequential one, nor float64's: the test can tell orders apart
+            // and these values tell orders apart: the plain left-to-right sum differs somewhere
             assert!(lanes
                 .iter()
                 .zip(&alone)
