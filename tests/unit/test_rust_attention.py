@@ -69,6 +69,20 @@ def test_sliding_window(rust_on):
 FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
 
 
+def _one_request(
+    seed: int, cached: int, new: int, slots: int, dtype: torch.dtype, pool_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SmolLM2's heads (9 query over 3 KV, of 64): a random KV pool of `slots` rows in `pool_dtype` (default
+    `dtype`), the `new` tokens' queries, and one request's `cached + new` tokens in scattered slots."""
+    heads, kv_heads, dim = 9, 3, 64
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn((slots, kv_heads, dim), generator=g).to(pool_dtype or dtype)
+    v_cache = torch.randn((slots, kv_heads, dim), generator=g).to(pool_dtype or dtype)
+    q = torch.randn((new, heads, dim), generator=g).to(dtype)
+    req_to_token = torch.randperm(slots, generator=g)[: cached + new].view(1, -1).to(torch.int32)
+    return k_cache, v_cache, q, req_to_token
+
+
 @pytest.mark.parametrize(
     "dtype, pool_dtype",
     [
@@ -85,15 +99,9 @@ def test_a_tree_row_equals_the_same_token_decoded_alone(rust_on, dtype, pool_dty
     keys it sees sit at other columns there, and nothing else is in the batch. Also with an fp8 KV pool
     (`--kv-cache-dtype fp8_*`) or in float16 (a float32 checkpoint under SGLang's `--dtype auto` on a
     CPU), where torch's SDPA gave the two other results."""
-    rng = random.Random(7)
-    prefix, n, heads, kv_heads, dim = 50, 8, 9, 3, 64
-    g = torch.Generator().manual_seed(7)
-    slots = 4 * (prefix + n)
-    k_cache = torch.randn((slots, kv_heads, dim), generator=g).to(pool_dtype or dtype)
-    v_cache = torch.randn((slots, kv_heads, dim), generator=g).to(pool_dtype or dtype)
-    q = torch.randn((n, heads, dim), generator=g).to(dtype)
-    tree = random_tree_mask(rng, n)
-    req_to_token = torch.randperm(slots, generator=g)[: prefix + n].view(1, -1).to(torch.int32)
+    prefix, n = 50, 8
+    k_cache, v_cache, q, req_to_token = _one_request(7, prefix, n, 4 * (prefix + n), dtype, pool_dtype)
+    tree = random_tree_mask(random.Random(7), n)
     tree_layout = torch.cat([torch.ones((n, prefix), dtype=torch.bool), tree], dim=1).reshape(-1)
     verify_plan = make_plan(
         req_to_token,
@@ -147,13 +155,8 @@ def test_a_prefilled_token_equals_the_same_token_decoded(rust_on, dtype):
     """A prompt's tokens prefilled in one chunk (more queries than any tree, so the kernel's long tasks)
     get the bits each gets decoded after the ones before it: with the radix cache a prompt's K/V may come
     from either forward, and the server's answer must not depend on which."""
-    cached, new, heads, kv_heads, dim = 40, 300, 9, 3, 64
-    g = torch.Generator().manual_seed(11)
-    slots = 2 * (cached + new)
-    k_cache = torch.randn((slots, kv_heads, dim), generator=g).to(dtype)
-    v_cache = torch.randn((slots, kv_heads, dim), generator=g).to(dtype)
-    q = torch.randn((new, heads, dim), generator=g).to(dtype)
-    req_to_token = torch.randperm(slots, generator=g)[: cached + new].view(1, -1).to(torch.int32)
+    cached, new = 40, 300
+    k_cache, v_cache, q, req_to_token = _one_request(11, cached, new, 2 * (cached + new), dtype)
     prefill_plan = make_plan(
         req_to_token,
         torch.tensor([0]),
@@ -182,10 +185,10 @@ def test_a_prefilled_token_equals_the_same_token_decoded(rust_on, dtype):
 
 
 def test_forwards_it_does_not_take_stay_with_torch(rust_on):
-    loc = torch.zeros(2, dtype=torch.int64)
     short = Case([10], [2], seed=1)
+    loc = torch.zeros(2, dtype=torch.int64)
     plan = make_plan(
-        short.req_to_token, short.req_pool_indices, torch.tensor([10]), torch.tensor([2]), None, loc[:2]
+        short.req_to_token, short.req_pool_indices, torch.tensor([10]), torch.tensor([2]), None, loc
     )
     assert rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 0.0)
     assert not rust_attention.applies(plan, short.q, short.k_cache, short.v_cache, 30.0)  # logit cap
